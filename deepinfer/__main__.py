@@ -1,0 +1,3 @@
+from deepinfer.cli import main
+
+main()

@@ -1,0 +1,25 @@
+"""The one place `DEEPINFER_*` environment variables are read: typed, validated, read once into `Env`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from deepinfer.errors import ConfigError
+
+ACCELERATORS = ("cpu", "nvidia", "ascend")
+
+
+@dataclass(frozen=True)
+class Env:
+    accelerator: str | None  # DEEPINFER_ACCELERATOR: cpu | nvidia | ascend (build.sh; unset = detect)
+    hf_model_dir: str | None  # DEEPINFER_HF_MODEL_DIR: default --model directory
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Env:
+        environ = os.environ if environ is None else environ
+        accelerator = environ.get("DEEPINFER_ACCELERATOR") or None
+        if accelerator is not None and accelerator not in ACCELERATORS:
+            raise ConfigError(f"DEEPINFER_ACCELERATOR={accelerator!r} is not valid; accepted: {', '.join(ACCELERATORS)}")
+        return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None)

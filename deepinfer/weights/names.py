@@ -1,0 +1,95 @@
+"""Checkpoint tensor names -> deepinfer's canonical names (HF in-memory names without `model.`).
+
+Accepted spellings: HF's in-memory names (`model.layers.3.self_attn.q_a_proj.weight`), the names
+`save_pretrained` writes (`model.layers.3.attn.wq_a.weight`, `head.weight`, per-expert `ffn.experts.5.w1`),
+and DeepSeek's upstream names (`layers.3.attn.wq_a.weight`, `embed.weight`). Quantization scales are
+`<weight>_scale_inv` / `<module>.weight_scale_inv` (HF) or `<module>.scale` (upstream).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Applied in order to a name with any leading `model.` removed (after HF's conversion_mapping for deepseek_v4).
+_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"^embed\.weight$", "embed_tokens.weight"),
+        (r"^head\.weight$", "lm_head.weight"),
+        (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+        (r"\.attn_norm\.", ".input_layernorm."),
+        (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
+        (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"),
+        (r"\.attn\.", ".self_attn."),
+        (r"\.ffn\.", ".mlp."),
+        (r"\.indexer\.compressor\.", ".compressor.indexer."),
+        (r"\.attn_sink$", ".sinks"),
+        (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+        (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+        (r"\.norm\.", ".kv_norm."),
+        (r"\.ape$", ".position_bias"),
+        (r"\.wq_a\.", ".q_a_proj."),
+        (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+        (r"\.wkv\.", ".kv_proj."),
+        (r"\.wgate\.", ".gate_proj."),
+        (r"\.wo_a\.", ".o_a_proj."),
+        (r"\.wo_b\.", ".o_b_proj."),
+        (r"\.q_norm\.", ".q_a_norm."),
+        (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    )
+)
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT_PART = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes.
+
+    kind: "tensor" (the whole canonical tensor), "expert" (one expert's slice of a stacked expert tensor),
+    "mtp" (an MTP/nextn draft tensor, kept aside), "unknown".
+    `scale` is True when the tensor is the quantization scale of that target rather than its values.
+    """
+
+    kind: str
+    name: str
+    scale: bool = False
+    expert: int = -1
+    part: str = ""  # gate | up | down for expert slices
+
+
+def canonical(name: str) -> str:
+    """Canonical spelling of a (non-scale) tensor name."""
+    key = name[len("model.") :] if name.startswith("model.") else name
+    if key == "norm.weight" or key.startswith("hc_head."):
+        return key
+    for pattern, repl in _RENAMES:
+        key = pattern.sub(repl, key)
+    return key
+
+
+def classify(name: str, all_names: set[str]) -> Target:
+    """Map one checkpoint name; `all_names` (every name in the checkpoint) tells a `.scale` of a quantized
+    module from the `scale` parameter of an mHC block."""
+    bare = name[len("model.") :] if name.startswith("model.") else name
+    if bare.startswith("mtp."):
+        return Target("mtp", name)
+    scale = False
+    if name.endswith(".weight_scale_inv"):
+        name, scale = name[: -len("_scale_inv")], True
+    elif name.endswith("_scale_inv"):
+        name, scale = name[: -len("_scale_inv")], True
+    elif name.endswith(".scale") and name[: -len(".scale")] + ".weight" in all_names:
+        name, scale = name[: -len(".scale")] + ".weight", True
+    key = canonical(name)
+    m = _EXPERT.match(key)
+    if m:
+        part = _EXPERT_PART[m.group(3)]
+        fused = m.group(1) + (".down_proj" if part == "down" else ".gate_up_proj")
+        return Target("expert", fused, scale=scale, expert=int(m.group(2)), part=part)
+    return Target("tensor", key, scale=scale)

@@ -1,0 +1,12 @@
+import hashlib
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed_from_test_id(request):
+    """A per-test seed derived from the test id, so every test is reproducible on its own."""
+    seed = int(hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:8], 16)
+    torch.manual_seed(seed)
+    yield

@@ -1,0 +1,87 @@
+"""Shared test helpers: tiny random DeepSeek-V4 configs and HF reference models (batch 1, unpadded)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+
+# All three layer types, both MLP types, sqrtsoftplus scoring, W=128, rates 4/128 (as V4-Flash).
+TINY_A: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=512, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
+    head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, index_n_heads=8, index_head_dim=16, index_topk=4, qk_rope_head_dim=8,
+    compress_ratios=[0, 4, 128, 4, 128], num_hash_layers=2, rope_scaling=YARN, max_position_embeddings=4096,
+)
+# Sigmoid scoring, another shape: 4 groups, hc_mult 2, window 16 and HCA rate 16, more hash layers.
+TINY_B: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=384, hidden_size=48, num_hidden_layers=4, num_attention_heads=8,
+    head_dim=16, q_lora_rank=24, o_groups=4, o_lora_rank=8, n_routed_experts=6, num_experts_per_tok=3,
+    moe_intermediate_size=24, index_n_heads=8, index_head_dim=16, index_topk=6, qk_rope_head_dim=8,
+    layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                 "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    sliding_window=16, hc_mult=2, num_hash_layers=1, scoring_func="sigmoid", rope_scaling=YARN,
+    routed_scaling_factor=2.5, max_position_embeddings=4096,
+)
+
+
+def hf_config(raw: dict[str, Any]):
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(**{k: v for k, v in copy.deepcopy(raw).items() if k != "model_type"})
+
+
+def hf_model(raw: dict[str, Any], seed: int = 0):
+    """An HF DeepseekV4ForCausalLM with every parameter the default init leaves trivial randomized."""
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(hf_config(raw)).eval()
+    n_experts = model.config.n_routed_experts
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.normal_(0.0, 0.5)
+            elif name.endswith((".scale", "hc_scale")) or "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, n_experts, b.shape))
+            elif name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model
+
+
+def canonical_state(model) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("model."): v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def save_hf(model, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(model, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """Prefill logits [T, V], then per decode step logits [V] and the greedy tokens, with HF's cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(ids[None], past_key_values=cache, use_cache=True)
+        prefill = out.logits[0]
+        tokens, step_logits = [int(prefill[-1].argmax())], []
+        for _ in range(steps - 1):
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            step_logits.append(out.logits[0, -1])
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return prefill, step_logits, tokens
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1))

@@ -1,0 +1,95 @@
+"""`deepinfer run offline` end to end: the default tiny model and a saved model directory, text and jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from deepinfer.cli import main
+from tests.helpers import TINY_A, hf_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "tiny"
+    hf_model(TINY_A).save_pretrained(path)
+    return path
+
+
+def invoke(args, env=None):
+    result = CliRunner().invoke(main, ["run", "offline", *args], env={"DEEPINFER_HF_MODEL_DIR": "", **(env or {})},
+                                catch_exceptions=False)
+    return result
+
+
+def test_console_script_on_the_default_tiny_model():
+    env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_HF_MODEL_DIR"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "run", "offline", "--prompt", "Hello", "--max-new-tokens", "6",
+         "--temperature", "0"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RANDOM weights" in proc.stderr
+    assert "=== request 0 (" in proc.stdout and "finish: length" in proc.stdout
+    assert "decode" in proc.stderr and "tok/s" in proc.stderr and "first token" in proc.stderr
+
+
+def test_jsonl_on_a_saved_model_with_a_prompts_file(saved, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"token_ids": list(range(2, 40)), "max_new_tokens": 5, "temperature": 0}) + "\n\n"
+        + json.dumps({"token_ids": [5, 6, 7], "max_new_tokens": 3, "seed": 4, "stop": ["zzz"]}) + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    result = invoke(["--model", str(saved), "--prompts-file", str(prompts), "--token-ids", "3,4,5",
+                     "--max-new-tokens", "2", "--format", "jsonl", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["num_generated_tokens"] for r in rows] == [2, 5, 3]  # --token-ids first, then the file in order
+    assert [r["num_prompt_tokens"] for r in rows] == [3, 38, 3]
+    for r in rows:
+        assert set(r) >= {"token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens"}
+        assert r["finish_reason"] == "length" and len(r["token_ids"]) == r["num_generated_tokens"]
+
+
+def test_text_output_on_a_saved_model_via_the_environment(saved):
+    result = invoke(["--token-ids", "9,10,11", "--max-new-tokens", "3"], env={"DEEPINFER_HF_MODEL_DIR": str(saved)})
+    assert result.exit_code == 0, result.output
+    assert "=== request 0 (3 prompt tokens, 3 generated, finish: length) ===" in result.output
+    assert "RANDOM" not in result.output
+
+
+def test_chat_thinking_on_the_default_model():
+    result = invoke(["--prompt", "Why?", "--thinking", "--max-new-tokens", "4", "--format", "jsonl", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["num_generated_tokens"] == 4
+    assert "reasoning_content" in row  # thinking mode: the generated text is parsed as reasoning
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "no prompt given"),
+        (["--token-ids", "1,x"], "not a comma-separated list"),
+        (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0 is invalid"),
+        (["--prompt", "a", "--model", "/nonexistent/dir"], "does not exist"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message):
+    result = CliRunner().invoke(main, ["run", "offline", *args], env={"DEEPINFER_HF_MODEL_DIR": ""})
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_bad_prompts_file_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "colour": "red"}\n')
+    result = CliRunner().invoke(main, ["run", "offline", "--prompts-file", str(bad)], env={"DEEPINFER_HF_MODEL_DIR": ""})
+    assert result.exit_code != 0 and "bad.jsonl:1: unknown key(s) ['colour']" in result.output
