@@ -274,13 +274,7 @@ def _layer_types(raw: dict[str, Any], n_layers: int, source: str) -> tuple[str, 
             types.append(_RATIO_TO_LAYER_TYPE[ratio])
     if types is None:  # HF's built-in default: 2 x HCA, then HCA/CSA alternating
         types = [HCA] * min(n_layers, 2) + [CSA if i % 2 else HCA for i in range(max(n_layers - 2, 0))]
-    types = list(types)[:n_layers]
-    if len(types) != n_layers:
-        raise ConfigError(f"{source}: layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
-    for i, t in enumerate(types):
-        if t not in LAYER_TYPES:
-            raise ConfigError(f"{source}: layer_types[{i}] is {t!r}, an unknown layer type; accepted: {', '.join(LAYER_TYPES)}")
-    return tuple(types)
+    return _checked(types, n_layers, "layer_types", LAYER_TYPES, source)
 
 
 def _mlp_layer_types(raw: dict[str, Any], n_layers: int, source: str) -> tuple[str, ...]:
@@ -290,12 +284,17 @@ def _mlp_layer_types(raw: dict[str, Any], n_layers: int, source: str) -> tuple[s
         if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
             raise ConfigError(f"{source}: num_hash_layers must be an integer >= 0, got {n_hash!r}")
         types = [HASH_MOE] * min(n_layers, n_hash) + [TOPK_MOE] * max(0, n_layers - n_hash)
+    return _checked(types, n_layers, "mlp_layer_types", MLP_LAYER_TYPES, source)
+
+
+def _checked(types, n_layers: int, key: str, accepted: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """The per-layer list cut to num_hidden_layers (HF drops the MTP slot this way), every entry known."""
     types = list(types)[:n_layers]
     if len(types) != n_layers:
-        raise ConfigError(f"{source}: mlp_layer_types has {len(types)} entries but num_hidden_layers is {n_layers}")
+        raise ConfigError(f"{source}: {key} has {len(types)} entries but num_hidden_layers is {n_layers}")
     for i, t in enumerate(types):
-        if t not in MLP_LAYER_TYPES:
-            raise ConfigError(f"{source}: mlp_layer_types[{i}] is {t!r}; accepted: {', '.join(MLP_LAYER_TYPES)}")
+        if t not in accepted:
+            raise ConfigError(f"{source}: {key}[{i}] is {t!r}, an unknown layer type; accepted: {', '.join(accepted)}")
     return tuple(types)
 
 

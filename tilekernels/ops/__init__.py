@@ -1,41 +1,24 @@
-"""One module per op; `DECLARED` maps each op name to its declaration."""
+"""One module per op; `DECLARED` maps each op name to its declaration (the module's `OP`)."""
 
-from tilekernels.ops import (
-    compress_pool,
-    embedding,
-    grouped_linear,
-    hc_head,
-    hc_post,
-    hc_pre,
-    indexer_scores,
-    indexer_topk,
-    linear,
-    moe_experts,
-    moe_gate,
-    rms_norm,
-    rms_norm_unweighted,
-    rope,
-    sparse_attention,
-    swiglu,
+import importlib
+
+OP_MODULES = (
+    "compress_pool",
+    "embedding",
+    "grouped_linear",
+    "hc_head",
+    "hc_post",
+    "hc_pre",
+    "indexer_scores",
+    "indexer_topk",
+    "linear",
+    "moe_experts",
+    "moe_gate",
+    "rms_norm",
+    "rms_norm_unweighted",
+    "rope",
+    "sparse_attention",
+    "swiglu",
 )
 
-_MODULES = (
-    compress_pool,
-    embedding,
-    grouped_linear,
-    hc_head,
-    hc_post,
-    hc_pre,
-    indexer_scores,
-    indexer_topk,
-    linear,
-    moe_experts,
-    moe_gate,
-    rms_norm,
-    rms_norm_unweighted,
-    rope,
-    sparse_attention,
-    swiglu,
-)
-
-DECLARED = {m.OP.name: m.OP for m in _MODULES}
+DECLARED = {decl.name: decl for decl in (importlib.import_module(f"{__name__}.{m}").OP for m in OP_MODULES)}
