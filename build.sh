@@ -35,10 +35,8 @@ say() { printf 'build.sh [%s]: %s\n' "$accel" "$*" >&2; }
 # torch first, so that the package's plain `torch` requirement never pulls a multi-GB CUDA build onto a CPU machine.
 if "$PYTHON" -c "import torch" 2>/dev/null; then
   say "torch $("$PYTHON" -c 'import torch; print(torch.__version__)') already installed"
-elif [[ $accel == cpu ]]; then
-  say "installing torch $TORCH_VERSION (CPU build)"
-  "$PYTHON" -m pip install -q "torch==$TORCH_VERSION" --extra-index-url https://download.pytorch.org/whl/cpu
 else
+  # For a small CPU-only wheel elsewhere, install torch from https://download.pytorch.org/whl/cpu first.
   say "installing torch $TORCH_VERSION"
   "$PYTHON" -m pip install -q "torch==$TORCH_VERSION"
 fi
