@@ -40,6 +40,13 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
 
+def _register() -> None:
+    from deepinfer.cli_kernels import compile_cmd, kernels
+
+    main.add_command(compile_cmd)
+    main.add_command(kernels)
+
+
 @main.group()
 def run() -> None:
     """Run a model."""
@@ -181,3 +188,6 @@ def _summary(stats, n_requests: int) -> None:
         f"first token {ttft:.2f} s after start",
         err=True,
     )
+
+
+_register()

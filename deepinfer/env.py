@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 from deepinfer.errors import ConfigError
@@ -15,6 +16,7 @@ ACCELERATORS = ("cpu", "nvidia", "ascend")
 class Env:
     accelerator: str | None  # DEEPINFER_ACCELERATOR: cpu | nvidia | ascend (build.sh; unset = detect)
     hf_model_dir: str | None  # DEEPINFER_HF_MODEL_DIR: default --model directory
+    cache_dir: Path  # DEEPINFER_CACHE_DIR: compiled kernels (default ~/.cache/deepinfer/kernels)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -22,4 +24,7 @@ class Env:
         accelerator = environ.get("DEEPINFER_ACCELERATOR") or None
         if accelerator is not None and accelerator not in ACCELERATORS:
             raise ConfigError(f"DEEPINFER_ACCELERATOR={accelerator!r} is not valid; accepted: {', '.join(ACCELERATORS)}")
-        return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None)
+        cache = environ.get("DEEPINFER_CACHE_DIR")
+        cache_dir = Path(cache).expanduser() if cache else Path.home() / ".cache" / "deepinfer" / "kernels"
+        return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
+                   cache_dir=cache_dir)

@@ -1,24 +1,80 @@
 """The op declaration and the op table the model calls through.
 
-Every op the model runs is declared once here in `tilekernels.ops` (one file per op) with its PyTorch
-reference, the ground truth every backend is checked against. A backend builds an `OpTable` that maps each op
-name to its implementation; the CPU reference backend maps every op to its reference, so kernels can replace
-ops one by one without the model changing.
+An op is declared once (one file in `tilekernels/ops/`): its PyTorch reference (the ground truth for every
+backend), the kernels that implement it (each a portable TileLang body written once against the facade,
+with per-target tile configs and optional whole-kernel overrides keyed by target and shape), the variant
+type (compile-time parameters: the cache key of a compiled kernel) as opposed to runtime sizes (`T.dynamic`),
+the tolerances per dtype, and `run`: the wrapper that validates the inputs, allocates outputs on the inputs'
+device and launches the compiled kernels.
+
+A backend builds an `OpTable` mapping every op name to an implementation; the CPU reference table maps
+every op to its reference, so kernels replace ops one by one without the model changing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+from tilekernels.errors import ShapeError
+
+
+@dataclass(frozen=True)
+class Override:
+    """A whole-kernel replacement of a portable body for one target and the variants `when` accepts."""
+
+    target: str
+    when: Callable[[Any], bool]
+    body: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One TileLang kernel of an op. `body(P, variant, config)` returns a PrimFunc."""
+
+    name: str
+    body: Callable[..., Any]
+    configs: Mapping[str, Any] = field(default_factory=dict)  # target name -> tile config; "default" fallback
+    overrides: tuple[Override, ...] = ()
+
+    def config(self, target: str) -> Any:
+        return self.configs.get(target, self.configs.get("default"))
+
+    def body_for(self, target: str, variant: Any) -> Callable[..., Any]:
+        for o in self.overrides:
+            if o.target == target and o.when(variant):
+                return o.body
+        return self.body
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One tensor of an op's kernel signature: symbolic shape (names are runtime sizes or variant fields)."""
+
+    name: str
+    shape: tuple[str | int, ...]
+    dtype: str  # a dtype name, or the name of the variant field holding it
+    role: str = "in"  # in | out
 
 
 @dataclass(frozen=True)
 class OpDecl:
-    """One op: its name, a one-line summary and the PyTorch reference implementation."""
-
     name: str
     summary: str
     reference: Callable[..., Any]
+    kernels: tuple[Kernel, ...] = ()
+    variant: type | None = None  # frozen dataclass of compile-time parameters
+    signature: tuple[Arg, ...] = ()
+    tolerance: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # dtype -> (atol, rtol)
+    run: Callable[..., Any] | None = None  # run(launch, *reference_args) with launch(kernel_name, variant)
+    example: Callable[..., tuple[Any, ...]] | None = None  # example(variant, rows, device) -> reference args
+    uses: tuple[str, ...] = ()  # other ops whose kernels `run` launches
+
+    def kernel(self, name: str) -> Kernel:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KeyError(f"op {self.name} has no kernel {name!r}; it has {[k.name for k in self.kernels]}")
 
 
 class OpTable:
@@ -39,3 +95,9 @@ class OpTable:
 
     def names(self) -> list[str]:
         return sorted(self._impls)
+
+
+def require(ok: bool, op: str, message: str) -> None:
+    """Raise ShapeError('<op>: <message>') when a kernel cannot take its inputs."""
+    if not ok:
+        raise ShapeError(f"{op}: {message}")

@@ -1,8 +1,11 @@
-"""Grouped (block-diagonal) output projection `o_a_proj`: each of g head groups is projected on its own."""
+"""Grouped (block-diagonal) output projection `o_a_proj`: each of g head groups is projected on its own
+(the linear kernel with `groups` = g)."""
 
 import torch
 
-from tilekernels.op import OpDecl
+from tilekernels import dtypes
+from tilekernels.op import OpDecl, require
+from tilekernels.ops import linear
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -12,4 +15,16 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
-OP = OpDecl("grouped_linear", "block-diagonal per-group projection", reference)
+def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    n, groups, din = x.shape
+    require(weight.shape[1] == din and weight.shape[0] % groups == 0, "grouped_linear",
+            f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")
+    v = linear.Variant(n=weight.shape[0] // groups, k=din, dtype=dtypes.name(x.dtype), groups=groups)
+    linear.check_blocks("grouped_linear", v)
+    y = torch.empty(n, groups * v.n, dtype=x.dtype, device=x.device)
+    launch.op("linear")("gemm", v)(x.reshape(n, groups * din).contiguous(), weight.contiguous(), y)
+    return y.view(n, groups, v.n)
+
+
+OP = OpDecl("grouped_linear", "block-diagonal per-group projection", reference,
+            tolerance=linear.OP.tolerance, run=run, uses=("linear",))

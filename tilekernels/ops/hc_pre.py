@@ -1,9 +1,12 @@
 """mHC pre-block: from the N residual streams compute the pre/post/comb mixes (comb projected onto doubly
 stochastic matrices by Sinkhorn-Knopp) and collapse the streams into the block input. All math in fp32."""
 
+from dataclasses import dataclass
+
 import torch
 
-from tilekernels.op import OpDecl
+from tilekernels import dtypes
+from tilekernels.op import Arg, Kernel, OpDecl, require
 
 
 def reference(
@@ -35,4 +38,162 @@ def reference(
     return post, comb, collapsed
 
 
-OP = OpDecl("hc_pre", "mHC mixes with Sinkhorn and stream collapse", reference)
+@dataclass(frozen=True)
+class Variant:
+    hc: int  # N streams
+    hidden: int  # H
+    iters: int  # Sinkhorn iterations
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Config:
+    chunk: int = 512  # stream columns per step of the mixing matvec
+    threads: int = 128
+
+
+def body(P, v: Variant, cfg: Config):
+    T = P.T
+    N, H, dtype = v.hc, v.hidden, v.dtype
+    KN, MIX = N * H, (2 + N) * N
+    BC = min(cfg.chunk, KN)
+    NC = KN // BC
+    BH = min(cfg.chunk, H)
+    M = T.dynamic("M")
+
+    def row_max(mix, scale, base, i):
+        logit = [mix[2 * N + i * N + j] * scale[2] + base[2 * N + i * N + j] for j in range(N)]
+        best = logit[0]
+        for x in logit[1:]:
+            best = T.max(best, x)
+        return best
+
+    def row_sum(c, i):
+        total = c[i * N]
+        for j in range(1, N):
+            total = total + c[i * N + j]
+        return total
+
+    def col_sum(c, j):
+        total = c[j]
+        for i in range(1, N):
+            total = total + c[i * N + j]
+        return total
+
+    def collapse(pre, s, h):
+        total = pre[0] * T.cast(s[h], "float32")
+        for n in range(1, N):
+            total = total + pre[n] * T.cast(s[n * H + h], "float32")
+        return total
+
+    @T.prim_func
+    def kernel(S: T.Tensor((M, KN), dtype), Fn: T.Tensor((MIX, KN), "float32"), Base: T.Tensor((MIX,), "float32"),
+               Scale: T.Tensor((3,), "float32"), Post: T.Tensor((M, N), "float32"), Comb: T.Tensor((M, N * N), "float32"),
+               Out: T.Tensor((M, H), dtype), hc_eps: T.float32, norm_eps: T.float32):
+        with P.kernel(M, cfg.threads) as pid:
+            s_io = P.alloc_io((KN,), dtype)
+            f_io = P.alloc_io((MIX, BC), "float32")
+            mix_io = P.alloc_io((MIX,), "float32")
+            pre_io = P.alloc_io((N,), "float32")
+            post_io = P.alloc_io((N,), "float32")
+            comb_io = P.alloc_io((N * N,), "float32")
+            red_io = P.alloc_io((N,), "float32")
+            o_io = P.alloc_io((BH,), dtype)
+            acc = P.alloc_vec((MIX,), "float32")
+            ss = P.alloc_vec((1,), "float32")
+            for row in P.tiles(M, pid):
+                T.copy(S[row, 0:KN], s_io)
+                with P.vector(cfg.threads):
+                    for o in T.Parallel(MIX):
+                        acc[o] = 0.0
+                    ss[0] = 0.0
+                for c in T.serial(NC):
+                    T.copy(Fn[0:MIX, c * BC : (c + 1) * BC], f_io)
+                    with P.vector(cfg.threads):
+                        prod = P.alloc_reg((MIX, BC), "float32")
+                        part = P.alloc_reg((MIX,), "float32")
+                        sq = P.alloc_reg((BC,), "float32")
+                        tot = P.alloc_reg((1,), "float32")
+                        for o, j in T.Parallel(MIX, BC):
+                            prod[o, j] = f_io[o, j] * T.cast(s_io[c * BC + j], "float32")
+                        T.reduce_sum(prod, part, dim=1)
+                        for j in T.Parallel(BC):
+                            sq[j] = T.cast(s_io[c * BC + j], "float32") * T.cast(s_io[c * BC + j], "float32")
+                        T.reduce_sum(sq, tot, dim=0)
+                        for o in T.Parallel(MIX):
+                            acc[o] = acc[o] + part[o]
+                        ss[0] = ss[0] + tot[0]
+                with P.vector(cfg.threads):
+                    for o in T.Parallel(MIX):
+                        mix_io[o] = acc[o] * T.rsqrt(ss[0] / KN + norm_eps)
+                with P.vector(cfg.threads):
+                    for i in T.Parallel(N):
+                        pre_io[i] = 1.0 / (1.0 + T.exp(-(mix_io[i] * Scale[0] + Base[i]))) + hc_eps
+                        post_io[i] = 2.0 / (1.0 + T.exp(-(mix_io[N + i] * Scale[1] + Base[N + i])))
+                    for i in T.Parallel(N):  # row softmax of the comb logits
+                        red_io[i] = row_max(mix_io, Scale, Base, i)
+                    for i, j in T.Parallel(N, N):
+                        comb_io[i * N + j] = T.exp(mix_io[2 * N + i * N + j] * Scale[2] + Base[2 * N + i * N + j] - red_io[i])
+                    for i in T.Parallel(N):
+                        red_io[i] = row_sum(comb_io, i)
+                    for i, j in T.Parallel(N, N):
+                        comb_io[i * N + j] = comb_io[i * N + j] / red_io[i] + hc_eps
+                    for j in T.Parallel(N):
+                        red_io[j] = col_sum(comb_io, j)
+                    for i, j in T.Parallel(N, N):
+                        comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
+                    for _ in T.serial(v.iters - 1):  # Sinkhorn-Knopp: rows, then columns
+                        for i in T.Parallel(N):
+                            red_io[i] = row_sum(comb_io, i)
+                        for i, j in T.Parallel(N, N):
+                            comb_io[i * N + j] = comb_io[i * N + j] / (red_io[i] + hc_eps)
+                        for j in T.Parallel(N):
+                            red_io[j] = col_sum(comb_io, j)
+                        for i, j in T.Parallel(N, N):
+                            comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
+                T.copy(post_io, Post[row, 0:N])
+                T.copy(comb_io, Comb[row, 0 : N * N])
+                for hb in T.serial(H // BH):
+                    with P.vector(cfg.threads):
+                        for j in T.Parallel(BH):
+                            o_io[j] = T.cast(collapse(pre_io, s_io, hb * BH + j), dtype)
+                    T.copy(o_io, Out[row, hb * BH : (hb + 1) * BH])
+
+    return kernel
+
+
+KERNEL = Kernel("hc_pre", body, configs={"default": Config(), "cpu": Config(chunk=64, threads=1)})
+
+
+def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+    m, n, h = streams.shape
+    v = Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype))
+    mix = (2 + n) * n
+    require(fn.shape == (mix, n * h) and base.shape == (mix,) and scale.shape == (3,), "hc_pre",
+            f"fn/base/scale must be [{mix}, {n * h}]/[{mix}]/[3], got {list(fn.shape)}/{list(base.shape)}/{list(scale.shape)}")
+    require((n * h) % min(Config().chunk, n * h) == 0 and h % min(Config().chunk, h) == 0, "hc_pre",
+            f"N*H={n * h} and H={h} must be multiples of {Config().chunk} (or below it)")
+    post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
+    out = torch.empty(m, h, dtype=streams.dtype, device=streams.device)
+    launch("hc_pre", v)(streams.reshape(m, n * h).contiguous(), fn.float().contiguous(), base.float().contiguous(),
+                        scale.float().contiguous(), post, comb, out, float(hc_eps), float(norm_eps))
+    return post, comb.view(m, n, n), out
+
+
+def example(v: Variant, rows: int, device) -> tuple:
+    mix = (2 + v.hc) * v.hc
+    streams = torch.randn(rows, v.hc, v.hidden, device=device).to(dtypes.torch_dtype(v.dtype))
+    fn = 0.02 * torch.randn(mix, v.hc * v.hidden, device=device)
+    return (streams, fn, 0.5 * torch.randn(mix, device=device), 1 + 0.1 * torch.randn(3, device=device), v.iters, 1e-6, 1e-6)
+
+
+OP = OpDecl(
+    "hc_pre", "mHC mixes with Sinkhorn and stream collapse", reference,
+    kernels=(KERNEL,), variant=Variant,
+    signature=(Arg("streams", ("M", "hc*hidden"), "dtype"), Arg("fn", ("(2+hc)*hc", "hc*hidden"), "float32"),
+               Arg("post", ("M", "hc"), "float32", "out"), Arg("comb", ("M", "hc*hc"), "float32", "out"),
+               Arg("collapsed", ("M", "hidden"), "dtype", "out")),
+    tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
+    run=run, example=example,
+)

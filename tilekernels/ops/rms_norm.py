@@ -1,8 +1,15 @@
-"""Weighted RMSNorm, computed in fp32 with an fp32 weight, cast back to the input dtype."""
+"""Weighted RMSNorm, computed in fp32 with an fp32 weight, cast back to the input dtype.
+
+The kernel also serves the unweighted norm (`rms_norm_unweighted`) and per-head norms (rows = tokens x heads).
+"""
+
+
+from dataclasses import dataclass
 
 import torch
 
-from tilekernels.op import OpDecl
+from tilekernels import dtypes
+from tilekernels.op import Arg, Kernel, OpDecl, require
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -12,4 +19,85 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (weight.float() * xf).to(x.dtype)
 
 
-OP = OpDecl("rms_norm", "weighted RMSNorm (fp32 math)", reference)
+@dataclass(frozen=True)
+class Variant:
+    dim: int
+    dtype: str
+    weighted: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int = 128
+
+
+def body(P, v: Variant, cfg: Config):
+    T = P.T
+    D, dtype = v.dim, v.dtype
+    M = T.dynamic("M")
+
+    @T.macro
+    def norm_rows(X, W, Y, eps):
+        with P.kernel(M, cfg.threads) as pid:
+            x_io = P.alloc_io((D,), dtype)
+            w_io = P.alloc_io((D,), "float32")
+            if v.weighted:
+                T.copy(W[0:D], w_io)
+            for row in P.tiles(M, pid):
+                T.copy(X[row, 0:D], x_io)
+                with P.vector(cfg.threads):
+                    xf = P.alloc_reg((D,), "float32")
+                    sq = P.alloc_reg((D,), "float32")
+                    ss = P.alloc_reg((1,), "float32")
+                    for j in T.Parallel(D):
+                        xf[j] = T.cast(x_io[j], "float32")
+                        sq[j] = xf[j] * xf[j]
+                    T.reduce_sum(sq, ss, dim=0)
+                    for j in T.Parallel(D):
+                        if v.weighted:
+                            x_io[j] = T.cast(xf[j] * T.rsqrt(ss[0] / D + eps) * w_io[j], dtype)
+                        else:
+                            x_io[j] = T.cast(xf[j] * T.rsqrt(ss[0] / D + eps), dtype)
+                T.copy(x_io, Y[row, 0:D])
+
+    if v.weighted:
+        @T.prim_func
+        def kernel(X: T.Tensor((M, D), dtype), W: T.Tensor((D,), "float32"), Y: T.Tensor((M, D), dtype), eps: T.float32):
+            norm_rows(X, W, Y, eps)
+    else:
+        @T.prim_func
+        def kernel(X: T.Tensor((M, D), dtype), Y: T.Tensor((M, D), dtype), eps: T.float32):
+            norm_rows(X, None, Y, eps)
+    return kernel
+
+
+KERNEL = Kernel("rms_norm", body, configs={"default": Config(), "cpu": Config(threads=1)})
+
+
+def run(launch, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    require(x.is_contiguous(), "rms_norm", "x must be contiguous")
+    v = Variant(dim=x.shape[-1], dtype=dtypes.name(x.dtype), weighted=weight is not None)
+    rows = x.reshape(-1, v.dim)
+    y = torch.empty_like(rows)
+    if weight is not None:
+        require(weight.shape == (v.dim,) and weight.dtype == torch.float32, "rms_norm",
+                f"weight must be fp32 [{v.dim}], got {weight.dtype} {list(weight.shape)}")
+        launch("rms_norm", v)(rows, weight, y, float(eps))
+    else:
+        launch("rms_norm", v)(rows, y, float(eps))
+    return y.view_as(x)
+
+
+def example(v: Variant, rows: int, device) -> tuple:
+    dtype = dtypes.torch_dtype(v.dtype)
+    x = torch.randn(rows, v.dim, device=device).to(dtype)
+    return (x, 1.0 + 0.1 * torch.randn(v.dim, device=device), 1e-6)
+
+
+OP = OpDecl(
+    "rms_norm", "weighted RMSNorm (fp32 math)", reference,
+    kernels=(KERNEL,), variant=Variant,
+    signature=(Arg("x", ("M", "dim"), "dtype"), Arg("weight", ("dim",), "float32"), Arg("y", ("M", "dim"), "dtype", "out")),
+    tolerance={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)},
+    run=run, example=example,
+)

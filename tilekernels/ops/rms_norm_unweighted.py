@@ -1,8 +1,10 @@
-"""Unweighted RMSNorm over the last dim: the per-head q norm and the mHC input norm."""
+"""Unweighted RMSNorm over the last dim: the per-head q norm and the mHC input norm (the rms_norm kernel,
+unweighted variant)."""
 
 import torch
 
 from tilekernels.op import OpDecl
+from tilekernels.ops import rms_norm
 
 
 def reference(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -10,4 +12,9 @@ def reference(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-OP = OpDecl("rms_norm_unweighted", "unweighted RMSNorm (per head or over a flat row)", reference)
+def run(launch, x: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm.run(launch.op("rms_norm"), x.contiguous(), None, eps)
+
+
+OP = OpDecl("rms_norm_unweighted", "unweighted RMSNorm (per head or over a flat row)", reference,
+            tolerance=rms_norm.OP.tolerance, run=run, uses=("rms_norm",))

@@ -5,9 +5,12 @@ from the absolute positions in fp32, cast to x's dtype, and the rotation runs in
 by the negative angle (used on the attention output, whose value half carries the keys' rotation).
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from tilekernels.op import OpDecl
+from tilekernels import dtypes
+from tilekernels.op import Arg, Kernel, OpDecl, require
 
 
 def reference(
@@ -33,4 +36,81 @@ def reference(
     return torch.cat([nope, rotated], dim=-1)
 
 
-OP = OpDecl("rope", "partial interleaved RoPE on the trailing dims (and its inverse)", reference)
+@dataclass(frozen=True)
+class Variant:
+    heads: int  # rows per token (1 for a single K=V head)
+    dim: int  # D
+    rope_dim: int  # r: the rotated trailing channels
+    dtype: str
+    inverse: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int = 128
+
+
+def body(P, v: Variant, cfg: Config):
+    T = P.T
+    H, D, R, dtype = v.heads, v.dim, v.rope_dim, v.dtype
+    NOPE = D - R
+    sign = -1.0 if v.inverse else 1.0
+    M = T.dynamic("M")
+
+    @T.prim_func
+    def kernel(X: T.Tensor((M, H, D), dtype), Pos: T.Tensor((M,), "int32"), F: T.Tensor((R // 2,), "float32"),
+               Y: T.Tensor((M, H, D), dtype), factor: T.float32):
+        with P.kernel(M * H, cfg.threads) as pid:
+            x_io = P.alloc_io((D,), dtype)
+            y_io = P.alloc_io((D,), dtype)
+            f_io = P.alloc_io((R // 2,), "float32")
+            T.copy(F[0 : R // 2], f_io)
+            for t in P.tiles(M * H, pid):
+                row = t // H
+                head = t % H
+                T.copy(X[row, head, 0:D], x_io)
+                with P.vector(cfg.threads):
+                    for j in T.Parallel(D):
+                        k = T.max(j - NOPE, 0)
+                        angle = T.cast(Pos[row], "float32") * f_io[k // 2]
+                        c = T.cast(T.cast(T.cos(angle) * factor, dtype), "float32")
+                        s = T.cast(T.cast(T.sin(angle) * (factor * sign), dtype), "float32")
+                        mate = T.if_then_else(k % 2 == 0, -T.cast(x_io[T.min(j + 1, D - 1)], "float32"),
+                                              T.cast(x_io[T.max(j - 1, 0)], "float32"))
+                        y_io[j] = T.if_then_else(j < NOPE, x_io[j],
+                                                 T.cast(T.cast(x_io[j], "float32") * c + mate * s, dtype))
+                T.copy(y_io, Y[row, head, 0:D])
+
+    return kernel
+
+
+KERNEL = Kernel("rope", body, configs={"default": Config(), "cpu": Config(threads=1)})
+
+
+def run(launch, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0,
+        inverse: bool = False) -> torch.Tensor:
+    heads = 1 if x.dim() == 2 else x.shape[-2]
+    v = Variant(heads=heads, dim=x.shape[-1], rope_dim=2 * inv_freq.shape[0], dtype=dtypes.name(x.dtype), inverse=inverse)
+    require(x.is_contiguous(), "rope", "x must be contiguous")
+    require(v.rope_dim <= v.dim, "rope", f"the rotated width {v.rope_dim} exceeds the head dim {v.dim}")
+    rows = x.reshape(-1, heads, v.dim)
+    y = torch.empty_like(rows)
+    launch("rope", v)(rows, positions.to(torch.int32), inv_freq.float().contiguous(), y, float(attention_factor))
+    return y.view_as(x)
+
+
+def example(v: Variant, rows: int, device) -> tuple:
+    x = torch.randn(rows, v.heads, v.dim, device=device).to(dtypes.torch_dtype(v.dtype))
+    pos = torch.randint(0, 65536, (rows,), device=device)
+    inv = 1.0 / (10000 ** (torch.arange(0, v.rope_dim, 2, device=device).float() / v.rope_dim))
+    return (x, pos, inv, 1.0, v.inverse)
+
+
+OP = OpDecl(
+    "rope", "partial interleaved RoPE on the trailing dims (and its inverse)", reference,
+    kernels=(KERNEL,), variant=Variant,
+    signature=(Arg("x", ("M", "heads", "dim"), "dtype"), Arg("positions", ("M",), "int32"),
+               Arg("inv_freq", ("rope_dim/2",), "float32"), Arg("y", ("M", "heads", "dim"), "dtype", "out")),
+    tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 2e-2)},
+    run=run, example=example,
+)

@@ -1,9 +1,16 @@
 """V4 attention core: every query head attends over one shared K=V head, at the KV rows its query lists
-(sliding window + selected compressed entries), with a learned per-head sink in the softmax denominator."""
+(sliding window + selected compressed entries), with a learned per-head sink in the softmax denominator.
+
+Kernels: `split` runs flash-style online softmax over one split of a query's KV row list for a block of heads
+and writes the unnormalised output with its running max and sum; `combine` merges the splits and the sink.
+"""
+
+from dataclasses import dataclass
 
 import torch
 
-from tilekernels.op import OpDecl
+from tilekernels import dtypes
+from tilekernels.op import Arg, Kernel, OpDecl, require
 
 _QUERY_BLOCK = 256  # bounds the gathered [block, K, D] tile of the reference
 
@@ -29,4 +36,213 @@ def reference(
     return out
 
 
-OP = OpDecl("sparse_attention", "MQA with sinks over per-query KV row lists (window + compressed)", reference)
+@dataclass(frozen=True)
+class Variant:
+    heads: int
+    dim: int
+    dtype: str
+    splits: int = 1  # KV splits per query (each a run of blocks of `block_k` rows)
+    block_h: int = 16  # heads per tile
+    block_k: int = 64  # KV rows per step
+
+
+@dataclass(frozen=True)
+class Config:
+    threads: int = 128
+
+
+def split_body(P, v: Variant, cfg: Config):
+    T = P.T
+    H, D, dtype, BH, BK, NS = v.heads, v.dim, v.dtype, v.block_h, v.block_k, v.splits
+    HB = H // BH
+    VR, HK = P.vec_rows(BH), P.vec_rows(BK)
+    S, PR, KB = T.dynamic("S"), T.dynamic("PR"), T.dynamic("KB")
+
+    @T.prim_func
+    def kernel(Q: T.Tensor((S, H, D), dtype), KV: T.Tensor((PR, D), dtype), Idx: T.Tensor((S, NS, KB, BK), "int32"),
+               Op: T.Tensor((S, NS, H, D), "float32"), Stats: T.Tensor((S, NS, H, 2), "float32"), scale: T.float32):
+        with P.kernel(S * HB * NS, cfg.threads) as pid:
+            q_op = P.alloc_operand((BH, D), dtype)
+            k_op = P.alloc_operand((BK, D), dtype)
+            vt_op = P.alloc_operand((D, BK), dtype)
+            p_op = P.alloc_operand((BH, BK), dtype)
+            s_acc = P.alloc_acc((BH, BK), "float32")
+            pv_acc = P.alloc_acc((BH, D), "float32")
+            idx_io = P.alloc_io((1, BK), "int32")  # every index of the block (masking)
+            half_io = P.alloc_io((1, HK), "int32")  # this vector unit's share of them (gathering)
+            k_io = P.alloc_io((HK, D), dtype)
+            vt_io = P.alloc_io((D, HK), dtype)
+            s_io = P.alloc_io((VR, BK), "float32")
+            p_io = P.alloc_io((VR, BK), dtype)
+            pv_io = P.alloc_io((VR, D), "float32")
+            o_vec = P.alloc_vec((VR, D), "float32")
+            m_vec = P.alloc_vec((VR,), "float32")  # running max
+            l_vec = P.alloc_vec((VR,), "float32")  # running sum
+            a_vec = P.alloc_vec((VR,), "float32")
+            st_io = P.alloc_io((VR, 2), "float32")
+            for t in P.tiles(S * HB * NS, pid):
+                s = t // (HB * NS)
+                h0 = (t // NS) % HB * BH
+                sp = t % NS
+                T.copy(Q[s, h0 : h0 + BH, 0:D], q_op)
+                with P.vector(cfg.threads):
+                    for i, d in T.Parallel(VR, D):
+                        o_vec[i, d] = 0.0
+                    for i in T.Parallel(VR):
+                        m_vec[i] = -1e30
+                        l_vec[i] = 0.0
+                for kb in T.serial(KB):
+                    T.copy(Idx[s, sp, kb : kb + 1, 0:BK], idx_io)
+                    P.split_copy(Idx[s, sp, kb : kb + 1, 0:BK], half_io)
+                    for r in T.serial(HK):  # gather this unit's rows (an empty slot reads row 0, masked below)
+                        T.copy(KV[T.max(half_io[0, r], 0), 0:D], k_io[r, 0:D])
+                    with P.vector(cfg.threads):
+                        for d, r in T.Parallel(D, HK):
+                            vt_io[d, r] = k_io[r, d]
+                    P.split_copy(k_io, k_op)
+                    P.split_copy(vt_io, vt_op)
+                    P.gemm(q_op, k_op, s_acc, clear_accum=True)
+                    P.split_copy(s_acc, s_io)
+                    with P.vector(cfg.threads):
+                        sc = P.alloc_reg((VR, BK), "float32")
+                        mx = P.alloc_reg((VR,), "float32")
+                        sm = P.alloc_reg((VR,), "float32")
+                        for i, c in T.Parallel(VR, BK):
+                            sc[i, c] = T.if_then_else(idx_io[0, c] >= 0, s_io[i, c] * scale, -T.infinity("float32"))
+                        T.reduce_max(sc, mx, dim=1)
+                        for i in T.Parallel(VR):
+                            mx[i] = T.max(mx[i], m_vec[i])
+                            a_vec[i] = T.exp(m_vec[i] - mx[i])
+                            m_vec[i] = mx[i]
+                        for i, c in T.Parallel(VR, BK):
+                            sc[i, c] = T.exp(sc[i, c] - mx[i])
+                            p_io[i, c] = T.cast(sc[i, c], dtype)
+                        T.reduce_sum(sc, sm, dim=1)
+                        for i in T.Parallel(VR):
+                            l_vec[i] = l_vec[i] * a_vec[i] + sm[i]
+                    P.split_copy(p_io, p_op)
+                    P.gemm(p_op, vt_op, pv_acc, clear_accum=True)  # P @ V with V^T as the (N, K) operand
+                    P.split_copy(pv_acc, pv_io)
+                    with P.vector(cfg.threads):
+                        for i, d in T.Parallel(VR, D):
+                            o_vec[i, d] = o_vec[i, d] * a_vec[i] + pv_io[i, d]
+                with P.vector(cfg.threads):
+                    for i in T.Parallel(VR):
+                        st_io[i, 0] = m_vec[i]
+                        st_io[i, 1] = l_vec[i]
+                P.split_copy(o_vec, Op[s, sp, h0 : h0 + BH, 0:D])
+                P.split_copy(st_io, Stats[s, sp, h0 : h0 + BH, 0:2])
+
+    return kernel
+
+
+def combine_body(P, v: Variant, cfg: Config):
+    T = P.T
+    H, D, dtype, BH, NS = v.heads, v.dim, v.dtype, v.block_h, v.splits
+    HB = H // BH
+    S = T.dynamic("S")
+
+    def running_max(st_io, sk_io, h):
+        best = sk_io[h]
+        for sp in range(NS):
+            best = T.max(best, st_io[sp, h, 0])
+        return best
+
+    def denominator(st_io, sk_io, top, h):
+        total = T.exp(sk_io[h] - top)
+        for sp in range(NS):
+            total = total + T.exp(st_io[sp, h, 0] - top) * st_io[sp, h, 1]
+        return total
+
+    @T.prim_func
+    def kernel(Op: T.Tensor((S, NS, H, D), "float32"), Stats: T.Tensor((S, NS, H, 2), "float32"),
+               Sinks: T.Tensor((H,), "float32"), Out: T.Tensor((S, H, D), dtype)):
+        with P.kernel(S * HB, cfg.threads) as pid:
+            st_io = P.alloc_io((NS, BH, 2), "float32")
+            sk_io = P.alloc_io((BH,), "float32")
+            top_io = P.alloc_io((BH,), "float32")
+            den_io = P.alloc_io((BH,), "float32")
+            part_io = P.alloc_io((BH, D), "float32")
+            out_io = P.alloc_io((BH, D), dtype)
+            o_vec = P.alloc_vec((BH, D), "float32")
+            for t in P.tiles(S * HB, pid):
+                s = t // HB
+                h0 = t % HB * BH
+                T.copy(Stats[s, 0:NS, h0 : h0 + BH, 0:2], st_io)
+                T.copy(Sinks[h0 : h0 + BH], sk_io)
+                with P.vector(cfg.threads):
+                    for h in T.Parallel(BH):
+                        top_io[h] = running_max(st_io, sk_io, h)
+                    for h in T.Parallel(BH):
+                        den_io[h] = denominator(st_io, sk_io, top_io[h], h)
+                    for h, d in T.Parallel(BH, D):
+                        o_vec[h, d] = 0.0
+                for sp in T.serial(NS):
+                    T.copy(Op[s, sp, h0 : h0 + BH, 0:D], part_io)
+                    with P.vector(cfg.threads):
+                        for h, d in T.Parallel(BH, D):
+                            o_vec[h, d] = o_vec[h, d] + T.exp(st_io[sp, h, 0] - top_io[h]) * part_io[h, d]
+                with P.vector(cfg.threads):
+                    for h, d in T.Parallel(BH, D):
+                        out_io[h, d] = T.cast(o_vec[h, d] / den_io[h], dtype)
+                T.copy(out_io, Out[s, h0 : h0 + BH, 0:D])
+
+    return kernel
+
+
+_CONFIGS = {"default": Config(), "cpu": Config(threads=1)}
+KERNELS = (Kernel("split", split_body, configs=_CONFIGS), Kernel("combine", combine_body, configs=_CONFIGS))
+MAX_SPLITS = 16
+TARGET_TILES = 256  # aim for at least this many tiles in flight when choosing splits
+
+
+def plan(queries: int, heads: int, rows: int, block_h: int = 16, block_k: int = 64) -> tuple[int, int]:
+    """(splits, blocks per split) for `rows` KV rows per query: split until there are enough tiles."""
+    blocks = max(1, -(-rows // block_k))
+    tiles = queries * (heads // block_h)
+    splits = 1
+    while splits < MAX_SPLITS and splits * 2 <= blocks and tiles * splits < TARGET_TILES:
+        splits *= 2
+    return splits, -(-blocks // splits)
+
+
+def run(launch, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float):
+    s, heads, d = q.shape
+    require(kv.dim() == 2 and kv.shape[1] == d and kv.dtype == q.dtype, "sparse_attention",
+            f"kv must be [rows, {d}] of {q.dtype}, got {list(kv.shape)} {kv.dtype}")
+    block_h = Variant(heads, d, "").block_h
+    h = -(-heads // block_h) * block_h  # pad the heads to whole tiles (tiny models)
+    if h != heads:
+        q = torch.cat([q, q.new_zeros(s, h - heads, d)], dim=1)
+        sinks = torch.cat([sinks, sinks.new_zeros(h - heads)])
+    splits, per_split = plan(s, h, indices.shape[1])
+    v = Variant(heads=h, dim=d, dtype=dtypes.name(q.dtype), splits=splits)
+    idx = torch.full((s, splits * per_split * v.block_k), -1, dtype=torch.int32, device=q.device)
+    idx[:, : indices.shape[1]] = indices
+    idx = idx.view(s, splits, per_split, v.block_k)
+    o_part = torch.empty(s, splits, h, d, dtype=torch.float32, device=q.device)
+    stats = torch.empty(s, splits, h, 2, dtype=torch.float32, device=q.device)
+    launch("split", v)(q.contiguous(), kv.contiguous(), idx, o_part, stats, float(scale))
+    out = torch.empty_like(q)
+    launch("combine", v)(o_part, stats, sinks.float().contiguous(), out)
+    return out[:, :heads] if h != heads else out
+
+
+def example(v: Variant, rows: int, device, kv_rows: int = 640) -> tuple:
+    dtype = dtypes.torch_dtype(v.dtype)
+    q = torch.randn(rows, v.heads, v.dim, device=device).to(dtype)
+    kv = torch.randn(kv_rows + 128, v.dim, device=device).to(dtype)
+    idx = torch.randint(0, kv.shape[0], (rows, kv_rows), device=device)
+    idx[:, -7:] = -1  # empty slots, as an indexer that picked fewer entries leaves them
+    return (q, kv, idx, torch.randn(v.heads, device=device), v.dim**-0.5)
+
+
+OP = OpDecl(
+    "sparse_attention", "MQA with sinks over per-query KV row lists (window + compressed)", reference,
+    kernels=KERNELS, variant=Variant,
+    signature=(Arg("q", ("S", "heads", "dim"), "dtype"), Arg("kv", ("rows", "dim"), "dtype"),
+               Arg("indices", ("S", "K"), "int32"), Arg("sinks", ("heads",), "float32"),
+               Arg("out", ("S", "heads", "dim"), "dtype", "out")),
+    tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
+    run=run, example=example,
+)

@@ -1,0 +1,83 @@
+"""What a backend is: a compile target described as data (traits for the portable facade, lowering stages,
+toolchain, runtime). Nothing above this layer branches on a target's name; it reads these fields."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+
+class BackendError(RuntimeError):
+    """A toolchain or runtime failure; `log` is the path of the tool's log when there is one."""
+
+    def __init__(self, message: str, log: Path | None = None):
+        super().__init__(message if log is None else f"{message} (log: {log})")
+        self.log = log
+
+
+@dataclass(frozen=True)
+class Traits:
+    """How the portable facade spells the constructs that differ between targets (kernels.md section 3)."""
+
+    dialect: str  # the TileLang dialect module the kernel body is written in
+    launch: str  # "grid": one CTA per tile | "persistent": a core grid looping over tiles
+    cores: int  # persistent launch: cores in the grid
+    io_scope: str  # staging / vector tiles (GPU shared memory, Ascend UB, CPU static shared)
+    operand_scope: str  # GEMM operands (shared memory, Ascend L1)
+    acc: str  # GEMM accumulator: "fragment" | "tmem" | "l0c" | "local"
+    vec: str  # state that lives across vector regions: "fragment" | "shared" (UB) | "local"
+    reg: str  # temporaries inside one vector region: "fragment" | "local"
+    vector_region: bool  # vector code must sit in an explicit SIMT region (Ascend `T.SimtVF`)
+    vector_halves: bool  # an accumulator tile reaches the vector units split in two halves (Ascend AIV pair)
+
+
+@dataclass
+class StageContext:
+    """What a lowering stage sees: the kernel, the staging directory and the files earlier stages wrote."""
+
+    func: Any  # tvm PrimFunc
+    out_dir: Path
+    pass_configs: dict[str, Any] = field(default_factory=dict)  # the target's, updated by the kernel's
+    files: dict[str, Path] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One named lowering step; `run` writes its output under ctx.out_dir and returns the file (or None
+    with a note in ctx.notes when the step cannot run here, e.g. a missing toolchain)."""
+
+    name: str
+    run: Callable[[StageContext], Path | None]
+
+
+class Runtime(Protocol):
+    def load(self, artifact_dir: Path, func: Any, pass_configs: dict[str, Any]) -> Callable[..., Any]: ...
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # the name users type: sm90, sm100, ascend, cpu
+    description: str
+    tvm_target: Any  # dict or str accepted by tilelang / tvm
+    traits: Traits
+    stages: tuple[Stage, ...]
+    pass_configs: dict[str, Any]
+    toolchain: Callable[[], dict[str, str]]  # tool name -> version string ("" when absent)
+    runtime: Runtime
+    device_type: str  # torch device type the runtime runs on: cuda | npu | cpu
+
+
+def run_tool(cmd: list[str], log: Path, what: str, timeout: int = 600) -> None:
+    """Run an external tool, keeping its full output in `log`; raise BackendError naming the log on failure."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.write_text(f"$ {' '.join(cmd)}\n{exc}\n")
+        raise BackendError(f"{what} could not run: {exc}", log) from exc
+    log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+    if proc.returncode != 0:
+        raise BackendError(f"{what} failed with exit code {proc.returncode}", log)

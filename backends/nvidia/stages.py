@@ -1,0 +1,82 @@
+"""The NVIDIA lowering stages (cuda source, cubin, runtime library) and the runtime hook."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+from backends import tl
+from backends.base import BackendError, Stage, StageContext, run_tool
+
+
+@functools.lru_cache(maxsize=1)
+def nvcc_path() -> str | None:
+    from shutil import which
+
+    return which("nvcc")
+
+
+@functools.lru_cache(maxsize=1)
+def toolchain() -> dict[str, str]:
+    """{"nvcc": "13.0.88"} (empty version when nvcc is not on PATH)."""
+    path = nvcc_path()
+    if path is None:
+        return {"nvcc": ""}
+    import subprocess
+
+    out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"V(\d+\.\d+\.\d+)", out)
+    return {"nvcc": m.group(1) if m else out.strip().splitlines()[-1]}
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    """TileLang's own device flags (tilelang/contrib/nvcc.py) plus its template and CUTLASS include dirs."""
+    tl.tilelang()
+    import tilelang.env as env
+
+    return ["-ccbin=g++", "--cubin", "-O3", "-lineinfo", f"-arch={arch}", "-std=c++20",
+            f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}"]
+
+
+def cuda_stages(arch: str, tvm_target: dict) -> tuple[Stage, ...]:
+    def cuda(ctx: StageContext) -> Path:
+        path = ctx.out_dir / "kernel.cu"
+        path.write_text(tl.lower_source(ctx.func, tvm_target, ctx.pass_configs))
+        return path
+
+    def cubin(ctx: StageContext) -> Path | None:
+        if nvcc_path() is None:
+            ctx.notes["cubin"] = "nvcc not found on PATH: cubin not built"
+            return None
+        out = ctx.out_dir / "kernel.cubin"
+        run_tool([nvcc_path(), *nvcc_flags(arch), "-o", str(out), str(ctx.files["cuda"])],
+                 ctx.out_dir / "nvcc.log", f"nvcc ({arch})")
+        return out
+
+    def library(ctx: StageContext) -> Path | None:
+        if nvcc_path() is None:
+            ctx.notes["lib"] = "nvcc not found on PATH: runtime library not built"
+            return None
+        try:
+            return tl.build_library(ctx.func, tvm_target, ctx.pass_configs, ctx.out_dir / "lib")
+        except Exception as exc:  # TileLang raises plain RuntimeErrors with the compiler output
+            log = ctx.out_dir / "lib.log"
+            log.write_text(str(exc))
+            raise BackendError(f"building the {arch} runtime library failed", log) from exc
+
+    return (Stage("cuda", cuda), Stage("cubin", cubin), Stage("lib", library))
+
+
+class NvidiaRuntime:
+    """Loads a built library; calls launch on torch's current CUDA stream (graph-capture safe)."""
+
+    def __init__(self, tvm_target: dict):
+        self.tvm_target = tvm_target
+
+    def load(self, artifact_dir: Path, func: Any, pass_configs: dict):
+        lib = artifact_dir / "lib"
+        if not (lib / tl.LIB_FILE).is_file():
+            raise BackendError(f"{artifact_dir} has no runtime library (built without nvcc?)")
+        return tl.load_library(lib, artifact_dir / "kernel.cu", func, self.tvm_target, pass_configs)

@@ -1,0 +1,156 @@
+"""Each op's TileLang kernels on the GPU at V4-Flash shapes, side by side with torch's own implementation
+(the op's PyTorch reference: cuBLAS for the GEMMs) and the measured HBM copy bandwidth, in one run.
+
+    python benchmarks/kernels.py [--out results.json] [--tokens 1,8,64,256,4096]
+
+Times are the median of CUDA-graph replays (eager when a reference cannot be captured), so they measure GPU
+time, not Python dispatch. Bytes are the minimum traffic of the op (each input read once, each output written
+once); GB/s = bytes / time; FLOP/s for the GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BF16 = torch.bfloat16
+H, E, K, I, NH, D = 4096, 256, 6, 2048, 64, 512
+
+
+def time_fn(fn, iters: int = 30) -> tuple[float, str]:
+    """Median milliseconds of `fn` replayed from a CUDA graph (or eager if it cannot be captured)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    mode = "graph"
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception:  # a reference with a host sync (e.g. .tolist()) cannot be captured
+        torch.cuda.synchronize()
+        mode, run = "eager", fn
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], mode
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms, _ = time_fn(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def cases(t: int, weights: dict) -> dict:
+    """name -> (args, bytes, flops) at V4-Flash shapes for t tokens."""
+    dev = "cuda"
+    r = lambda *s, dtype=BF16, scale=1.0: torch.randn(*s, device=dev, dtype=dtype) * scale  # noqa: E731
+    inv = 1.0 / (160000 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
+    top = torch.rand(t, E, device=dev).topk(K, dim=-1).indices
+    hit = int(top.unique().numel())
+    out = {
+        "rms_norm[4096]": ("rms_norm", (r(t, H), 1 + 0.1 * r(H, dtype=torch.float32), 1e-6), 4 * t * H + 4 * H, 0),
+        "rope[q 64x512]": ("rope", (r(t, NH, D), torch.randint(0, 65536, (t,), device=dev), inv, 1.0, False),
+                           4 * t * NH * D, 0),
+        "swiglu[2x2048]": ("swiglu", (r(t, 2 * I, scale=4.0), 10.0), 2 * t * 3 * I, 0),
+        "moe_gate[256 top6]": ("moe_gate", (r(t, E), K, "sqrtsoftplus", 1.5, 0.01 * r(E, dtype=torch.float32)),
+                               2 * t * E + 8 * t * K, 0),
+        "hc_pre[4x4096]": ("hc_pre", (r(t, 4, H), weights["fn"], weights["base"], weights["scale"], 20, 1e-6, 1e-6),
+                           2 * t * 4 * H + 2 * t * H + 4 * 24 * 4 * H, 2 * t * 24 * 4 * H),
+        "hc_post[4x4096]": ("hc_post", (r(t, 4, H), r(t, H), torch.rand(t, 4, device=dev),
+                                        torch.softmax(r(t, 4, 4, dtype=torch.float32), -1)), 2 * t * 9 * H, 0),
+    }
+    for label, (n, k) in {"q_a_proj 1024x4096": (1024, H), "q_b_proj 32768x1024": (NH * D, 1024),
+                          "o_b_proj 4096x8192": (H, 8192), "lm_head 129280x4096": (129280, H)}.items():
+        out[f"linear[{label}]"] = ("linear", (r(t, k), weights[(n, k)]), 2 * (t * k + n * k + t * n), 2 * t * n * k)
+    out["grouped_linear[o_a 8x1024x4096]"] = ("grouped_linear", (r(t, 8, H), weights["o_a"]),
+                                               2 * (t * 8 * H + 8 * 1024 * H + t * 8 * 1024), 2 * t * 8 * 1024 * H)
+    expert_bytes = hit * (2 * I * H + H * I) * 2
+    out["moe_experts[256 x (4096x4096 + 4096x2048)]"] = (
+        "moe_experts", (r(t, H), torch.softmax(r(t, K, dtype=torch.float32), -1), top, weights["gate_up"],
+                        weights["down"], 10.0), expert_bytes + 4 * t * H, 2 * t * K * 3 * I * H)
+    return out
+
+
+def attention_cases(t: int) -> dict:
+    """Attention over the window (128) plus the compressed entries a query sees at 4K and 64K context."""
+    out = {}
+    for ctx, rows in (("4K CSA", 128 + 512), ("4K HCA", 128 + 4096 // 128), ("64K CSA", 128 + 512),
+                      ("64K HCA", 128 + 65536 // 128)):
+        pool = 128 + (int(ctx.split("K")[0]) * 1024) // (4 if "CSA" in ctx else 128)
+        q = torch.randn(t, NH, D, device="cuda", dtype=BF16)
+        kv = torch.randn(pool, D, device="cuda", dtype=BF16)
+        idx = torch.randint(0, pool, (t, rows), device="cuda")
+        sinks = torch.randn(NH, device="cuda")
+        bytes_ = t * rows * D * 2 + 2 * t * NH * D * 2
+        out[f"sparse_attention[{ctx}: {rows} rows]"] = ("sparse_attention", (q, kv, idx, sinks, D**-0.5), bytes_,
+                                                        4 * t * NH * rows * D)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,8,64,256,4096")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
+    args = parser.parse_args()
+
+    from deepinfer.env import Env
+    from tilekernels.kernels import kernel_table
+    from tilekernels.ops import DECLARED
+
+    ops = kernel_table("sm90", Env.read().cache_dir)
+    wanted = set(args.ops.split(",")) if args.ops else None
+    copy_gbs = copy_bandwidth()
+    r = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=BF16) * scale  # noqa: E731
+    weights = {(n, k): r(n, k, scale=k**-0.5) for n, k in ((1024, H), (NH * D, 1024), (H, 8192), (129280, H))}
+    weights.update(o_a=r(8 * 1024, H, scale=H**-0.5), gate_up=r(E, 2 * I, H, scale=H**-0.5),
+                   down=r(E, H, I, scale=I**-0.5), fn=0.01 * torch.randn(24, 4 * H, device="cuda"),
+                   base=0.5 * torch.randn(24, device="cuda"), scale=1 + 0.1 * torch.randn(3, device="cuda"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    rows = []
+    print(f"# {torch.cuda.get_device_name()} | {datetime.date.today()} | commit {commit or 'unknown'} | "
+          f"measured HBM copy {copy_gbs:.0f} GB/s")
+    print("| op | tokens | ours ms | torch ms | ours GB/s | of copy BW | ours TFLOP/s | vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in [int(x) for x in args.tokens.split(",")]:
+        todo = {**cases(t, weights), **attention_cases(t)}
+        for label, (name, call_args, nbytes, flops) in todo.items():
+            if wanted and name not in wanted:
+                continue
+            ours, mode = time_fn(lambda: getattr(ops, name)(*call_args))
+            ref, ref_mode = time_fn(lambda: DECLARED[name].reference(*call_args), iters=10)
+            gbs = nbytes / (ours * 1e-3) / 1e9
+            tflops = flops / (ours * 1e-3) / 1e12 if flops else 0.0
+            row = dict(op=label, tokens=t, ours_ms=ours, torch_ms=ref, ours_gbs=gbs, copy_fraction=gbs / copy_gbs,
+                       tflops=tflops, speedup_vs_torch=ref / ours, timing=mode, torch_timing=ref_mode)
+            rows.append(row)
+            print(f"| {label} | {t} | {ours:.4f} | {ref:.4f}{'*' if ref_mode == 'eager' else ''} | {gbs:.0f} | "
+                  f"{gbs / copy_gbs:.0%} | {tflops:.1f} | {ref / ours:.2f}x |", flush=True)
+        torch.cuda.empty_cache()
+    print("(* torch timed eagerly: its implementation syncs with the host and cannot be graph-captured)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
+                                              "commit": commit, "copy_gbs": copy_gbs, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

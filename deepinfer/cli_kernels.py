@@ -1,0 +1,110 @@
+"""`deepinfer compile` and `deepinfer kernels list`."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+TARGETS = ("sm90", "sm100", "ascend", "cpu")
+
+
+@click.command("compile")
+@click.option("--target", required=True, help=f"Compile target: {', '.join(TARGETS)}.")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False), default=None,
+              help="Model directory whose config.json gives the shapes [default: the tiny default model].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Kernel cache directory [default: $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer/kernels].")
+@click.option("--jobs", type=int, default=None, help="Parallel builds [default: CPU count, at most 8].")
+@click.option("--ops", default=None, help="Comma-separated op names to build (default: every op the model needs).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help="Activation dtype of the variants; auto = float32 for cpu, bfloat16 otherwise.")
+def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype) -> None:
+    """Lower and build the kernels a model needs for one target, into the artifact cache + manifest."""
+    from deepinfer.env import Env
+    from deepinfer.errors import DeepInferError
+
+    if target not in TARGETS:
+        raise click.BadParameter(f"unknown target {target!r}; accepted: {', '.join(TARGETS)}", param_hint="--target")
+    try:
+        _compile(target, model_dir, Path(out_dir) if out_dir else Env.read().cache_dir, jobs, ops, dtype)
+    except DeepInferError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
+    from tqdm import tqdm
+
+    from codegen.driver import build_all
+    from deepinfer.config import ModelConfig
+    from deepinfer.errors import ConfigError
+    from deepinfer.kernel_plan import kernel_plan
+    from deepinfer.tiny import tiny_config
+    from tilekernels.kernels import request
+
+    cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
+    dtype = ("float32" if target == "cpu" else "bfloat16") if dtype == "auto" else dtype
+    items = kernel_plan(cfg, dtype)
+    if ops:
+        wanted = [o.strip() for o in ops.split(",") if o.strip()]
+        known = sorted({op for op, _, _ in items})
+        unknown = [o for o in wanted if o not in known]
+        if unknown:
+            raise ConfigError(f"--ops: unknown op(s) {unknown}; this model's kernel ops are: {', '.join(known)}")
+        items = [it for it in items if it[0] in wanted]
+    jobs = jobs or min(8, os.cpu_count() or 1)
+    click.echo(f"deepinfer compile: {len(items)} kernel(s) for {target} ({model_dir or 'tiny default model'}, "
+               f"{dtype}) into {out_dir}, {jobs} job(s)", err=True)
+    start = time.perf_counter()
+    bar = tqdm(total=len(items), desc=f"compile {target}", unit="kernel", file=sys.stderr, dynamic_ncols=True)
+    results = build_all(target, items, request, out_dir, jobs=jobs, on_result=lambda r: bar.update(1))
+    bar.close()
+    counts = {s: sum(r.status == s for r in results) for s in ("built", "cached", "failed")}
+    for r in results:
+        if r.status == "failed":
+            click.echo(f"FAILED {r.label}: log {r.path}", err=True)
+    notes = sorted({n for r in results for n in r.notes.values() if r.status != "failed"})
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"built {counts['built']}, cached {counts['cached']}, failed {counts['failed']} in "
+               f"{time.perf_counter() - start:.1f} s; manifest {out_dir / target / 'manifest.json'}")
+    if counts["failed"]:
+        raise SystemExit(1)
+
+
+@click.group("kernels")
+def kernels() -> None:
+    """The op library and its build state."""
+
+
+@kernels.command("list")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Kernel cache directory [default: $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer/kernels].")
+def list_cmd(out_dir) -> None:
+    """Each op, its kernels, the targets it has been built for here and run for (matched its reference)."""
+    import json
+
+    from codegen.driver import read_manifest
+    from deepinfer.env import Env
+    from tilekernels.ops import DECLARED
+
+    root = Path(out_dir) if out_dir else Env.read().cache_dir
+    built: dict[str, dict[str, int]] = {}
+    for target in TARGETS:
+        for entry in read_manifest(root / target).get("entries", []):
+            built.setdefault(entry["op"], {}).setdefault(target, 0)
+            built[entry["op"]][target] += 1
+    try:
+        runs = json.loads((root / "runs.json").read_text())
+    except (OSError, ValueError):
+        runs = {}
+    click.echo(f"{'op':22} {'kernels':24} {'built (variants)':34} run")
+    for name, op in sorted(DECLARED.items()):
+        kernel_names = ",".join([k.name for k in op.kernels] + [f"{u}*" for u in op.uses]) or "reference only"
+        b = " ".join(f"{t}:{n}" for t, n in sorted(built.get(name, {}).items())) or "-"
+        r = " ".join(sorted(runs.get(name, {}))) or "-"
+        click.echo(f"{name:22} {kernel_names:24} {b:34} {r}")
+    click.echo(f"(op* = the kernels of another op; cache: {root}; sm100 and ascend are compile-only here)")
