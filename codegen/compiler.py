@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -23,10 +24,13 @@ from codegen.errors import CompileError, NotBuiltError
 
 
 def deepinfer_version() -> str:
+    """The project version: from the installed metadata, else from the checkout's pyproject.toml."""
     try:
         return metadata.version("deepinfer")
     except metadata.PackageNotFoundError:
-        return "unknown"
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return m.group(1) if m else "unknown"
 
 
 @dataclass(frozen=True)
