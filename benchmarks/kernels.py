@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,64,256,4096")
     parser.add_argument("--out", default=None)
     parser.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args()
 
     from deepinfer.env import Env
@@ -125,7 +126,8 @@ def main() -> None:
     weights.update(o_a=r(8 * 1024, H, scale=H**-0.5), gate_up=r(E, 2 * I, H, scale=H**-0.5),
                    down=r(E, H, I, scale=I**-0.5), fn=0.01 * torch.randn(24, 4 * H, device="cuda"),
                    base=0.5 * torch.randn(24, device="cuda"), scale=1 + 0.1 * torch.randn(3, device="cuda"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip()
     rows = []
     print(f"# {torch.cuda.get_device_name()} | {datetime.date.today()} | commit {commit or 'unknown'} | "
           f"measured HBM copy {copy_gbs:.0f} GB/s")

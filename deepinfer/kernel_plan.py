@@ -33,9 +33,11 @@ def kernel_plan(cfg: ModelConfig, dtype: str = "bfloat16") -> list[Item]:
         projections += [(2 * d, h), (2 * di, h), (ni * di, ql), (ni, h)]
     if HCA in kinds:
         projections += [(d, h)]
-    for n, k in projections:
-        add("linear", "gemm", linear.Variant(n, k, dtype))
-    add("linear", "gemm", linear.Variant(cfg.o_lora_rank, cfg.group_in_dim, dtype, groups=cfg.o_groups))
+    projections = [(n, k, 1) for n, k in projections] + [(cfg.o_lora_rank, cfg.group_in_dim, cfg.o_groups)]
+    for n, k, groups in projections:
+        for rows in (1, linear.ROW_BUCKETS[0] + 1, linear.ROW_BUCKETS[1] + 1):  # one variant per row bucket
+            narrow, split = linear.plan(rows, n, k, groups)
+            add("linear", "gemm", linear.Variant(n, k, dtype, groups=groups, split_k=split, narrow=narrow))
     add("swiglu", "swiglu", swiglu.Variant(inter, dtype))
     for hashed in sorted({t == HASH_MOE for t in cfg.mlp_layer_types}):
         add("moe_gate", "moe_gate", moe_gate.Variant(e, cfg.num_experts_per_tok, cfg.scoring_func, dtype, hashed))

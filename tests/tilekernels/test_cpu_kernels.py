@@ -38,6 +38,7 @@ CASES = {
     "rope-inverse": lambda: (torch.randn(6, 4, 32), torch.randint(0, 5000, (6,)), inv_freq(8), 1.0, True),
     "rope-kv": lambda: (torch.randn(6, 32), torch.randint(0, 5000, (6,)), inv_freq(8), 0.5, False),
     "linear": lambda: (torch.randn(37, 48), torch.randn(32, 48)),
+    "linear-splitk": lambda: (torch.randn(3, 1024), torch.randn(32, 1024) / 32),
     "grouped_linear": lambda: (torch.randn(7, 2, 48), torch.randn(32, 48)),
     "swiglu": lambda: (6 * torch.randn(5, 128), 10.0),
     "moe_gate": lambda: (torch.randn(9, 16), 3, "sqrtsoftplus", 1.5, 0.1 * torch.randn(16)),

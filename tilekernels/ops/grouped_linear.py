@@ -3,7 +3,6 @@
 
 import torch
 
-from tilekernels import dtypes
 from tilekernels.op import OpDecl, require
 from tilekernels.ops import linear
 
@@ -19,11 +18,10 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, groups, din = x.shape
     require(weight.shape[1] == din and weight.shape[0] % groups == 0, "grouped_linear",
             f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")
-    v = linear.Variant(n=weight.shape[0] // groups, k=din, dtype=dtypes.name(x.dtype), groups=groups)
-    linear.check_blocks("grouped_linear", v)
-    y = torch.empty(n, groups * v.n, dtype=x.dtype, device=x.device)
-    launch.op("linear")("gemm", v)(x.reshape(n, groups * din).contiguous(), weight.contiguous(), y)
-    return y.view(n, groups, v.n)
+    dout = weight.shape[0] // groups
+    y = linear.launch_gemm(launch.op("linear"), x.reshape(n, groups * din).contiguous(), weight.contiguous(),
+                           dout, din, groups)
+    return y.view(n, groups, dout)
 
 
 OP = OpDecl("grouped_linear", "block-diagonal per-group projection", reference,

@@ -23,6 +23,8 @@ class Variant:
     k: int  # input features per group
     dtype: str
     groups: int = 1
+    split_k: int = 1  # >1: each tile sums a slice of K into an fp32 workspace [split_k, M, G*N]
+    narrow: bool = False  # few rows (decode): 64x64 tiles so that more programs share the weight stream
 
 
 @dataclass(frozen=True)
@@ -37,27 +39,34 @@ class Config:
 
 def body(P, v: Variant, cfg: Config):
     T = P.T
-    N, K, G, dtype = v.n, v.k, v.groups, v.dtype
-    BM, BN, BK = cfg.block_m, min(cfg.block_n, N), min(cfg.block_k, K)
-    NT, KT = N // BN, K // BK
+    N, K, G, SK, dtype = v.n, v.k, v.groups, v.split_k, v.dtype
+    BM = min(cfg.block_m, 64) if v.narrow else cfg.block_m
+    BN = min(cfg.block_n, 64 if v.narrow else cfg.block_n, N)
+    BK = min(cfg.block_k, K)
+    NT, KT = N // BN, K // BK // SK
     M = T.dynamic("M")
+    out_shape, out_dtype = ((SK, M, G * N), "float32") if SK > 1 else ((M, G * N), dtype)
 
     @T.prim_func
-    def kernel(A: T.Tensor((M, G * K), dtype), W: T.Tensor((G * N, K), dtype), C: T.Tensor((M, G * N), dtype)):
+    def kernel(A: T.Tensor((M, G * K), dtype), W: T.Tensor((G * N, K), dtype), C: T.Tensor(out_shape, out_dtype)):
         MT = T.ceildiv(M, BM)
-        with P.kernel(MT * NT * G, cfg.threads) as pid:
+        with P.kernel(MT * NT * G * SK, cfg.threads) as pid:
             a_op = P.alloc_operand((BM, BK), dtype)
             b_op = P.alloc_operand((BN, BK), dtype)
             acc = P.alloc_acc((BM, BN), "float32")
-            for t in P.tiles(MT * NT * G, pid):
-                g = t % G  # group-minor: consecutive tiles share the A rows of one M tile
-                m0 = t // (NT * G) * BM
-                n0 = (t // G) % NT * BN
+            for t in P.tiles(MT * NT * G * SK, pid):
+                ks = t % SK  # split-minor, then group-minor: neighbours share A rows
+                g = t // SK % G
+                m0 = t // (SK * NT * G) * BM
+                n0 = (t // (SK * G)) % NT * BN
                 for kk in T.Pipelined(KT, num_stages=cfg.stages):
-                    T.copy(A[m0, g * K + kk * BK], a_op)
-                    T.copy(W[g * N + n0, kk * BK], b_op)
+                    T.copy(A[m0, g * K + (ks * KT + kk) * BK], a_op)
+                    T.copy(W[g * N + n0, (ks * KT + kk) * BK], b_op)
                     P.gemm(a_op, b_op, acc, clear_accum=kk == 0)
-                P.store_acc(acc, C[m0, g * N + n0])
+                if SK > 1:
+                    P.store_acc(acc, C[ks, m0, g * N + n0])
+                else:
+                    P.store_acc(acc, C[m0, g * N + n0])
 
     return kernel
 
@@ -78,15 +87,45 @@ def check_blocks(op: str, v: Variant) -> None:
             f"N={v.n} and K={v.k} must be multiples of the tile ({cfg.block_n}, {cfg.block_k}) or below it")
 
 
+TARGET_PROGRAMS = 256  # split K until about this many programs run (small GEMMs stream the weight)
+ROW_BUCKETS = (64, 511)  # decode-sized (narrow tiles) | medium (split K) | large (plain)
+
+
+def plan(rows: int, n: int, k: int, groups: int = 1) -> tuple[bool, int]:
+    """(narrow, split_k) by row bucket, so a model needs three variants per projection at most: up to 64 rows
+    use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a power of two, each slice at least 256
+    deep) until there are enough programs; from 512 rows on, the row tiles alone are enough."""
+    if rows > ROW_BUCKETS[1]:
+        return False, 1
+    narrow = rows <= ROW_BUCKETS[0]
+    tiles = (1 if narrow else 2) * max(1, n // (64 if narrow else 128)) * groups
+    split = 1
+    while tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 256 and k % (split * 2 * 64) == 0:
+        split *= 2
+    return narrow, split
+
+
+def launch_gemm(launch, a: torch.Tensor, weight: torch.Tensor, n: int, k: int, groups: int) -> torch.Tensor:
+    """a [M, G*K] @ blockdiag(weight [G*N, K])^T -> [M, G*N] in a's dtype."""
+    rows = a.shape[0]
+    narrow, split = plan(rows, n, k, groups)
+    v = Variant(n=n, k=k, dtype=dtypes.name(a.dtype), groups=groups, split_k=split, narrow=narrow)
+    check_blocks("linear", v)
+    if split == 1:
+        y = torch.empty(rows, groups * n, dtype=a.dtype, device=a.device)
+        launch("gemm", v)(a, weight, y)
+        return y
+    partial = torch.empty(split, rows, groups * n, dtype=torch.float32, device=a.device)
+    launch("gemm", v)(a, weight, partial)
+    return partial.sum(0).to(a.dtype)
+
+
 def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     require(x.shape[-1] == weight.shape[1], "linear", f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     require(x.dtype == weight.dtype, "linear", f"x is {x.dtype} but weight is {weight.dtype}")
-    v = Variant(n=weight.shape[0], k=weight.shape[1], dtype=dtypes.name(x.dtype))
-    check_blocks("linear", v)
-    rows = x.reshape(-1, v.k).contiguous()
-    y = torch.empty(rows.shape[0], v.n, dtype=x.dtype, device=x.device)
-    launch("gemm", v)(rows, weight.contiguous(), y)
-    return y.view(*x.shape[:-1], v.n)
+    n, k = weight.shape
+    y = launch_gemm(launch, x.reshape(-1, k).contiguous(), weight.contiguous(), n, k, 1)
+    return y.view(*x.shape[:-1], n)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
