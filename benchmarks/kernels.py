@@ -53,10 +53,11 @@ def time_fn(fn, iters: int = 30) -> tuple[float, str]:
 
 
 def copy_bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy of 4 GiB of fp32 (bytes read + bytes written per second)."""
+    src = torch.randn(1 << 30, device="cuda")
     dst = torch.empty_like(src)
     ms, _ = time_fn(lambda: dst.copy_(src), iters=20)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
 def cases(t: int, weights: dict) -> dict:

@@ -102,7 +102,8 @@ def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, 
     (token, slot) in flat order, and the expert of each M tile (-1 past the last expert's rows). Each expert's
     rows start on a tile boundary; the tile count is the static bound ceil((R + E*(bm-1)) / bm)."""
     flat = indices.reshape(-1)
-    counts = torch.bincount(flat, minlength=experts)
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync
     padded = (counts + bm - 1) // bm * bm
     ends = torch.cumsum(padded, 0)
     starts = ends - padded

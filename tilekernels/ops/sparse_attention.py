@@ -94,9 +94,9 @@ def split_body(P, v: Variant, cfg: Config):
                 for kb in T.serial(KB):
                     T.copy(Idx[s, sp, kb : kb + 1, 0:BK], idx_io)
                     P.split_copy(Idx[s, sp, kb : kb + 1, 0:BK], half_io)
-                    for r in T.serial(HK):  # gather this unit's rows (an empty slot reads row 0, masked below)
-                        T.copy(KV[T.max(half_io[0, r], 0), 0:D], k_io[r, 0:D])
-                    with P.vector(cfg.threads):
+                    with P.vector(cfg.threads):  # gather this unit's rows (an empty slot reads row 0, masked below)
+                        for r, d in T.Parallel(HK, D):
+                            k_io[r, d] = KV[T.max(half_io[0, r], 0), d]
                         for d, r in T.Parallel(D, HK):
                             vt_io[d, r] = k_io[r, d]
                     P.split_copy(k_io, k_op)
