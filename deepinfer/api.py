@@ -9,13 +9,16 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from deepinfer.backend import select as select_backend
+from deepinfer.cache import CacheSpec, PagedCache, block_bytes
 from deepinfer.config import ModelConfig
-from deepinfer.engine import Engine, EngineConfig, RunStats
+from deepinfer.engine import Engine, RunStats
 from deepinfer.env import Env
 from deepinfer.errors import ConfigError, RequestError
 from deepinfer.model.model import DeepseekV4
-from deepinfer.model.state import SequenceState
 from deepinfer.model.weights import ModelWeights, tensor_specs
+from deepinfer.runtime.graph import DecodeGraphs
+from deepinfer.scheduler import SchedulerConfig
 from deepinfer.recipe import EncodedPrompt, Recipe, tokenizer_path
 from deepinfer.request import Request, RequestOutput
 from deepinfer.sampling import SamplingParams, request_seed
@@ -26,13 +29,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PromptInput = Union[str, dict]
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """'auto' is float32 on the CPU reference path; otherwise one of DTYPES."""
+def resolve_dtype(name: str, backend: str = "cpu") -> torch.dtype:
+    """'auto' is float32 on the CPU reference path and bfloat16 on accelerators; otherwise one of DTYPES."""
     if name == "auto":
-        return torch.float32
+        return torch.float32 if backend == "cpu" else torch.bfloat16
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def cache_spec(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
+               num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128) -> CacheSpec:
+    """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
+    `num_blocks`, else from free device memory on an accelerator, else enough for every slot at full length."""
+    limit = min(cfg.max_position_embeddings, max_model_len or DEFAULT_MAX_MODEL_LEN)
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                          f"({cfg.max_position_embeddings})")
+    per_seq = -(-limit // block_tokens)
+    if num_blocks is None:
+        num_blocks = max_seqs * per_seq
+        if device.type == "cuda":
+            per_block, per_slot = block_bytes(cfg, block_tokens, dtype)
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
+            num_blocks = max(1, min(num_blocks, budget // max(per_block, 1)))
+    if num_blocks < 1:
+        raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+    return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens)
 
 
 class LLM:
@@ -46,17 +73,23 @@ class LLM:
         self,
         model: str | Path | None = None,
         *,
+        backend: str | None = None,
         dtype: str = "auto",
         tokenizer: str | Path | None = None,
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 2048,
+        max_model_len: int | None = None,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         random_seed: int = 0,
         show_progress: bool = False,
     ):
-        model = model if model is not None else Env.read().hf_model_dir
+        env = Env.read()
+        model = model if model is not None else env.hf_model_dir
         self.model_dir = Path(model) if model is not None else None
         self.random_weights = self.model_dir is None
-        torch_dtype = resolve_dtype(dtype)
+        self.backend = select_backend(backend, env.cache_dir, env)
+        torch_dtype = resolve_dtype(dtype, self.backend.name)
         if self.model_dir is None:
             from deepinfer.tiny import random_tensors, tiny_config
 
@@ -76,9 +109,14 @@ class LLM:
             if ckpt.mtp:
                 log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(ckpt.mtp))
         self.config = cfg
-        self.model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, tensors), _reference_ops())
+        device = self.backend.device
+        weights = ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()})
+        self.model = DeepseekV4(cfg, weights, self.backend.ops)
+        self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.device, torch_dtype, max_num_seqs, max_model_len,
+                                                num_blocks, gpu_memory_utilization), torch_dtype, device)
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
-        self.engine = Engine(self.model, EngineConfig(max_prefill_tokens=max_prefill_tokens, max_num_seqs=max_num_seqs))
+        graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.backend.capture)
+        self.engine = Engine(self.model, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), graphs)
         self.last_stats: RunStats | None = None
 
     # ---- public API ----------------------------------------------------------------------------
@@ -135,13 +173,14 @@ class LLM:
         return EncodedPrompt(list(ids), None), None
 
     def _check_prompt(self, index: int, ids: list[int]) -> None:
-        cfg = self.config
+        cfg, limit = self.config, self.engine.max_len
         if not ids:
             raise RequestError(f"request {index}: the prompt is empty")
-        if len(ids) >= cfg.max_position_embeddings:
+        if len(ids) >= limit:
             raise RequestError(
-                f"request {index}: the prompt has {len(ids)} tokens; the model's limit (max_position_embeddings) "
-                f"is {cfg.max_position_embeddings} positions, prompt and output together"
+                f"request {index}: the prompt has {len(ids)} tokens; the limit is {limit} positions, prompt and "
+                f"output together (the model's max_position_embeddings {cfg.max_position_embeddings}, "
+                f"max_model_len {self.cache.spec.max_tokens})"
             )
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
@@ -160,7 +199,6 @@ class LLM:
                     params=p,
                     seed=request_seed(p),
                     output=self.recipe.output(prompt, p.stop, f"req-{i}"),
-                    state=SequenceState.empty(self.config),
                     prompt_text=text,
                     arrival=now,
                 )
@@ -171,12 +209,6 @@ class LLM:
             bar.close()
         self.last_stats = stats
         return outputs
-
-
-def _reference_ops():
-    from tilekernels import reference_table
-
-    return reference_table()
 
 
 def _expand_params(sampling_params, n: int) -> list[SamplingParams]:

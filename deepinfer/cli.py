@@ -73,10 +73,17 @@ def run() -> None:
               help="Compute dtype of the weights; auto = float32 on the CPU reference path.")
 @click.option("--output", "output", default="-", show_default=True, help="Output file, or - for stdout.")
 @click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default="text", show_default=True)
+@click.option("--backend", type=click.Choice(["cpu", "nvidia", "ascend"]), default=None,
+              help="cpu: PyTorch reference ops; nvidia: TileLang kernels (sm_90a) + CUDA graphs; ascend: TileLang "
+                   "kernels through torch_npu [default: $DEEPINFER_ACCELERATOR, else nvidia when a GPU is seen, else cpu]")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Requests run together.")
 @click.option("--max-prefill-tokens", type=int, default=2048, show_default=True, help="Prompt tokens per prefill step.")
+@click.option("--max-model-len", type=int, default=None,
+              help="Longest sequence (prompt + output) [default: min(model limit, 8192)].")
+@click.option("--num-blocks", type=int, default=None,
+              help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
 def offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
-            seed, stop, dtype, output, fmt, max_num_seqs, max_prefill_tokens) -> None:
+            seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
     """Generate for a batch of prompts and print or save the results."""
     try:
         _offline(**locals())
@@ -85,7 +92,7 @@ def offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_new
 
 
 def _offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
-             seed, stop, dtype, output, fmt, max_num_seqs, max_prefill_tokens) -> None:
+             seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
     from deepinfer.api import LLM
     from deepinfer.env import Env
     from deepinfer.sampling import SamplingParams
@@ -111,11 +118,14 @@ def _offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_ne
     if model_dir is None:
         click.echo("deepinfer: no --model and no DEEPINFER_HF_MODEL_DIR: using the embedded tiny DeepSeek-V4 "
                    "with RANDOM weights (its output is meaningless text)", err=True)
-    llm = LLM(model_dir, dtype=dtype, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-              show_progress=True)
+    llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+              max_model_len=max_model_len, num_blocks=num_blocks, show_progress=True)
+    ops = f"TileLang kernels for {llm.backend.kernel_target}" if llm.backend.kernel_target else "PyTorch reference ops"
+    spec = llm.cache.spec
     click.echo(f"deepinfer: model {model_dir or 'tiny-random'} ({llm.config.num_hidden_layers} layers, "
                f"{llm.model.dtype}), tokenizer {llm.recipe.path} ({llm.recipe.encoding_name} encoding), "
-               f"backend cpu (PyTorch reference)", err=True)
+               f"backend {llm.backend.name} ({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, "
+               f"max {spec.max_tokens} per sequence", err=True)
     outputs = llm.generate(items, params, use_tqdm=len(items) > 1)
     stream = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
     try:
@@ -185,7 +195,7 @@ def _summary(stats, n_requests: int) -> None:
     click.echo(
         f"deepinfer: {n_requests} request(s), {stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens; "
         f"prefill {prefill_rate:.1f} tok/s, decode {decode_rate:.1f} tok/s ({stats.decode_steps} steps); "
-        f"first token {ttft:.2f} s after start",
+        f"first token {ttft:.2f} s after start" + (f"; {stats.preemptions} preemption(s)" if stats.preemptions else ""),
         err=True,
     )
 

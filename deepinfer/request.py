@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.model.state import SequenceState
+from deepinfer.cache import SeqCache
 from deepinfer.recipe import EncodedPrompt, OutputProcessor
 from deepinfer.sampling import SamplingParams
 
@@ -17,11 +17,11 @@ class Request:
     params: SamplingParams
     seed: int
     output: OutputProcessor
-    state: SequenceState
     prompt_text: str | None = None
     generated: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens already run through the model
+    cache: SeqCache | None = None  # its slot and blocks while it runs
     finish_reason: str | None = None
+    preemptions: int = 0
     arrival: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -32,11 +32,22 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus generated tokens; the next token takes this position."""
         return len(self.prompt.token_ids) + len(self.generated)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens prefill must put in the cache: the prompt, and after a preemption also every generated
+        token but the last (which the next decode step feeds)."""
+        return self.prompt.token_ids + self.generated[:-1]
+
+    @property
+    def cached(self) -> int:
+        return 0 if self.cache is None else self.cache.num_tokens
+
+    @property
     def in_prefill(self) -> bool:
-        return self.prefilled < len(self.prompt.token_ids)
+        return self.cached < len(self.prefill_ids)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,7 @@ class RequestOutput:
     finish_reason: str
     time_to_first_token: float
     latency: float
+    preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,22 +49,25 @@ def tiny_config() -> ModelConfig:
     return ModelConfig.from_dict(TINY_CONFIG, source="tiny default model")
 
 
-def random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Deterministic random weights for every tensor of `cfg` (canonical names)."""
-    gen = torch.Generator().manual_seed(seed)
+def random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Deterministic random weights for every tensor of `cfg` (canonical names), generated on `device`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, spec in tensor_specs(cfg).items():
         if spec.kind == INT:
-            out[name] = torch.randint(0, cfg.n_routed_experts, spec.shape, generator=gen)
+            out[name] = torch.randint(0, cfg.n_routed_experts, spec.shape, generator=gen, device=device)
             continue
         leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+        target = torch.float32 if spec.kind == FP32 else dtype
+        t = torch.randn(spec.shape, generator=gen, device=device, dtype=target)
         if spec.kind == FP32 and (name.endswith("norm.weight") or leaf in ("input_layernorm", "post_attention_layernorm")):
-            t = 1.0 + 0.1 * torch.randn(spec.shape, generator=gen)
+            t = 1.0 + 0.1 * t
         elif leaf in ("scale", "hc_scale"):
-            t = 1.0 + 0.1 * torch.randn(spec.shape, generator=gen)
+            t = 1.0 + 0.1 * t
         elif leaf in ("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias"):
-            t = 0.5 * torch.randn(spec.shape, generator=gen)
+            t = 0.5 * t
         else:
-            t = 0.02 * torch.randn(spec.shape, generator=gen)
-        out[name] = t.to(torch.float32 if spec.kind == FP32 else dtype)
+            t = 0.02 * t
+        out[name] = t
     return out

@@ -85,3 +85,43 @@ def hf_greedy(model, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[
 
 def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1))
+
+
+class Runner:
+    """A model with a small paged cache, for driving prefill and decode steps by hand in tests."""
+
+    def __init__(self, cfg, weights, ops, tokens: int = 2048, seqs: int = 4):
+        from deepinfer.cache import CacheSpec, PagedCache
+        from deepinfer.model.model import DeepseekV4
+
+        per_seq = -(-tokens // 128)
+        self.model = DeepseekV4(cfg, weights, ops)
+        spec = CacheSpec(num_blocks=seqs * per_seq, max_seqs=seqs, max_blocks_per_seq=per_seq)
+        self.cache = PagedCache(cfg, spec, weights.embed.dtype, weights.embed.device)
+
+    def new_seq(self):
+        return self.cache.admit()
+
+    def prefill(self, seq, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids, device=self.model.device)
+        n = ids.shape[0]
+        assert self.cache.grow(seq, seq.num_tokens + n)
+        pos = torch.arange(seq.num_tokens, seq.num_tokens + n, device=ids.device)
+        return self.model.prefill(self.cache, ids, pos, [(seq, 0, n)])
+
+    def decode(self, seqs, ids) -> torch.Tensor:
+        from deepinfer.model.decode import DecodeInputs
+
+        for s in seqs:
+            assert self.cache.grow(s, s.num_tokens + 1)
+        dev = self.model.device
+        inp = DecodeInputs(
+            ids=torch.as_tensor(ids, device=dev),
+            positions=torch.tensor([s.num_tokens for s in seqs], device=dev),
+            slots=torch.tensor([s.slot for s in seqs], device=dev),
+            blocks=self.cache.block_table(seqs),
+        )
+        logits = self.model.decode(self.cache, inp)
+        for s in seqs:
+            s.num_tokens += 1
+        return logits

@@ -1,9 +1,9 @@
-"""The V4 attention block over a flat batch of tokens from one or more sequences.
+"""The V4 attention block: projections and output over a flat token batch, and the attention core of a
+prefill chunk (one sequence at a time, eager).
 
-Projections run over the whole batch; the stateful part (window update, compressors, indexer top-k and the
-attention core) runs per sequence. Each query attends, through one shared K=V head, over the KV rows it
-lists: its sliding window (the last `sliding_window` positions, itself included) and, on CSA/HCA layers, the
-compressed entries it may see (all causal ones for HCA; the indexer's top-k for CSA).
+Each query attends, through one shared K=V head, over the KV rows it lists: its sliding window (the last
+`sliding_window` positions, itself included) and, on CSA/HCA layers, the compressed entries it may see (all
+closed ones for HCA; the indexer's top-k for CSA). The decode core (batched, static shapes) is in `decode.py`.
 """
 
 from __future__ import annotations
@@ -12,19 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.cache import LayerCache, SeqCache
 from deepinfer.config import CSA, ModelConfig
-from deepinfer.model.compressor import compress
-from deepinfer.model.state import ForwardBatch, LayerState
+from deepinfer.model.compressor import RopeTables, compress_prefill
 from deepinfer.model.weights import Attention
 from tilekernels import OpTable
-
-
-@dataclass(frozen=True)
-class RopeTables:
-    """Inverse frequencies and cos/sin scale of the RoPE flavour a layer uses."""
-
-    inv_freq: torch.Tensor
-    attention_factor: float
 
 
 @dataclass(frozen=True)
@@ -35,82 +27,86 @@ class AttentionContext:
     rope: RopeTables  # this layer's flavour (main for sliding layers, compress otherwise)
     compress_rope: RopeTables  # the compressors' and the indexer's flavour
 
+    @property
+    def is_csa(self) -> bool:
+        return self.cfg.layer_types[self.layer] == CSA
 
-def attention_block(ctx: AttentionContext, w: Attention, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """x [N, H] (already input-normed) -> [N, H]."""
-    cfg, ops = ctx.cfg, ctx.ops
-    n, eps = x.shape[0], cfg.rms_norm_eps
-    pos = batch.positions
+
+@dataclass(frozen=True)
+class Projected:
+    q: torch.Tensor  # [N, heads, D], normed and rotated
+    kv: torch.Tensor  # [N, D], normed and rotated
+    comp: tuple[torch.Tensor, torch.Tensor] | None  # compressor kv, gate [N, width]
+    index: tuple[torch.Tensor, ...] | None  # indexer kv, gate [N, 2 dI], q [N, nI, dI], weights [N, nI]
+
+
+def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor) -> Projected:
+    cfg, ops, n, eps = ctx.cfg, ctx.ops, x.shape[0], ctx.cfg.rms_norm_eps
     q_res = ops.rms_norm(ops.linear(x, w.q_a_proj), w.q_a_norm, eps)
     q = ops.linear(q_res, w.q_b_proj).view(n, cfg.num_attention_heads, cfg.head_dim)
     q = ops.rope(ops.rms_norm_unweighted(q, eps), pos, ctx.rope.inv_freq, ctx.rope.attention_factor)
     kv = ops.rms_norm(ops.linear(x, w.kv_proj), w.kv_norm, eps)
     kv = ops.rope(kv, pos, ctx.rope.inv_freq, ctx.rope.attention_factor)
-
-    comp_kv = comp_gate = None
+    comp = index = None
     if w.compressor is not None:
-        comp_kv, comp_gate = ops.linear(x, w.compressor.kv_proj), ops.linear(x, w.compressor.gate_proj)
-    idx_inputs = None
+        comp = (ops.linear(x, w.compressor.kv_proj), ops.linear(x, w.compressor.gate_proj))
     if w.indexer is not None:
         ix = w.indexer
         iq = ops.linear(q_res, ix.q_b_proj).view(n, cfg.index_n_heads, cfg.index_head_dim)
         iq = ops.rope(iq, pos, ctx.compress_rope.inv_freq, ctx.compress_rope.attention_factor)
         iw = ops.linear(x, ix.weights_proj).float() * cfg.index_n_heads**-0.5
-        idx_inputs = (ops.linear(x, ix.compressor.kv_proj), ops.linear(x, ix.compressor.gate_proj), iq, iw)
+        index = (ops.linear(x, ix.compressor.kv_proj), ops.linear(x, ix.compressor.gate_proj), iq, iw)
+    return Projected(q, kv, comp, index)
 
-    out = torch.empty_like(q)
-    for seq in batch.seqs:
-        rows = seq.rows
-        state = seq.state.layers[ctx.layer]
-        seq_idx = None if idx_inputs is None else tuple(t[rows] for t in idx_inputs)
-        pool, indices = _kv_rows(
-            ctx, w, state, kv[rows], pos[rows],
-            None if comp_kv is None else (comp_kv[rows], comp_gate[rows]),
-            seq_idx,
-        )
-        out[rows] = ops.sparse_attention(q[rows], pool, indices, w.sinks, cfg.head_dim**-0.5)
 
+def finish(ctx: AttentionContext, w: Attention, out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Undo the value half's rotation, then the grouped output projection: [N, heads, D] -> [N, H]."""
+    cfg, ops, n = ctx.cfg, ctx.ops, out.shape[0]
     out = ops.rope(out, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inverse=True)
     grouped = ops.grouped_linear(out.view(n, cfg.o_groups, cfg.group_in_dim), w.o_a_proj)
     return ops.linear(grouped.reshape(n, -1), w.o_b_proj)
 
 
-def _kv_rows(ctx, w, state: LayerState, kv, pos, comp_inputs, idx_inputs):
-    """Update one sequence's layer state with its new tokens; return the KV pool and per-query row lists."""
-    cfg, ops = ctx.cfg, ctx.ops
-    window = cfg.sliding_window
-    past = 0 if state.window is None else state.window.shape[0]
-    full = kv if past == 0 else torch.cat([state.window, kv], dim=0)
-    state.window = full[-(window - 1) :] if window > 1 else full[:0]
-    # Window rows: query at position p sees positions p-W+1 .. p; pool row of position q is q - (pos0 - past).
-    first = pos[0] - past
-    offsets = torch.arange(-window + 1, 1, device=kv.device)
-    win_pos = pos.view(-1, 1) + offsets.view(1, -1)
-    win_rows = torch.where(win_pos >= 0, win_pos - first, torch.full_like(win_pos, -1))
-    if comp_inputs is None:
-        return full, win_rows
+def prefill_core(ctx: AttentionContext, w: Attention, p: Projected, pos: torch.Tensor,
+                 seqs: list[tuple[SeqCache, int, int]], layer: LayerCache) -> torch.Tensor:
+    """Attention of prefill chunks: `seqs` lists (sequence, first row, rows); -> [N, heads, D]."""
+    out = torch.empty_like(p.q)
+    for seq, start, length in seqs:
+        rows = slice(start, start + length)
+        pool, indices = _chunk_rows(ctx, w, p, rows, seq, layer)
+        out[rows] = ctx.ops.sparse_attention(p.q[rows], pool, indices, w.sinks, ctx.cfg.head_dim**-0.5)
+    return out
 
-    layer, eps = ctx.layer, cfg.rms_norm_eps
-    rate = cfg.compress_rate(layer)
-    is_csa = cfg.layer_types[layer] == CSA
-    crope = ctx.compress_rope
-    entries = compress(
-        ops, state.compressor, w.compressor, *comp_inputs,
-        rate=rate, overlap=is_csa, eps=eps, inv_freq=crope.inv_freq, attention_factor=crope.attention_factor,
-    )
-    visible = (pos + 1) // rate  # entries e < visible[s] are closed windows query s may see
-    n_entries = entries.shape[0]
-    if is_csa:
-        ikv, igate, iq, iw = idx_inputs
-        keys = compress(
-            ops, state.indexer, w.indexer.compressor, ikv, igate,
-            rate=rate, overlap=True, eps=eps, inv_freq=crope.inv_freq, attention_factor=crope.attention_factor,
-        )
+
+def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCache):
+    """Update one sequence's state with its chunk; return the KV pool and each query's row list."""
+    cfg, ops = ctx.cfg, ctx.ops
+    window, t0 = cfg.sliding_window, seq.num_tokens
+    kv = p.kv[rows]
+    n = kv.shape[0]
+    ring = layer.ring[seq.slot]
+    past_pos = torch.arange(max(0, t0 - (window - 1)), t0, device=kv.device)
+    full = torch.cat([ring[past_pos % window], kv], dim=0)
+    keep = torch.arange(max(t0, t0 + n - window), t0 + n, device=kv.device)
+    ring[keep % window] = kv[keep - t0].to(ring.dtype)
+    # Window rows: query at position q sees q-W+1 .. q; pool row of position x is x - (t0 - len(past)).
+    pos = torch.arange(t0, t0 + n, device=kv.device)
+    win_pos = pos.view(-1, 1) + torch.arange(-window + 1, 1, device=kv.device).view(1, -1)
+    first = t0 - past_pos.numel()
+    win_rows = torch.where(win_pos >= 0, win_pos - first, torch.full_like(win_pos, -1))
+    if p.comp is None:
+        return full, win_rows
+    eps, crope = cfg.rms_norm_eps, ctx.compress_rope
+    comp = layer.compressor
+    entries = compress_prefill(ops, comp, w.compressor, seq, t0, p.comp[0][rows], p.comp[1][rows], eps, crope)
+    visible = (pos + 1) // comp.rate  # entries e < visible[s] are closed windows query s may see
+    if ctx.is_csa:
+        ikv, igate, iq, iw = (t[rows] for t in p.index)
+        keys = compress_prefill(ops, layer.indexer, w.indexer.compressor, seq, t0, ikv, igate, eps, crope)
         scores = ops.indexer_scores(iq, keys, iw, cfg.index_head_dim**-0.5)
         picks = ops.indexer_topk(scores, visible, cfg.index_topk)
     else:
-        entry = torch.arange(n_entries, device=kv.device).view(1, -1)
+        entry = torch.arange(entries.shape[0], device=kv.device).view(1, -1)
         picks = torch.where(entry < visible.view(-1, 1), entry, torch.full_like(entry, -1))
     comp_rows = torch.where(picks >= 0, picks + full.shape[0], torch.full_like(picks, -1))
-    pool = torch.cat([full, entries.to(full.dtype)], dim=0)
-    return pool, torch.cat([win_rows, comp_rows], dim=1)
+    return torch.cat([full, entries.to(full.dtype)], dim=0), torch.cat([win_rows, comp_rows], dim=1)

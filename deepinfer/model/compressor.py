@@ -1,67 +1,110 @@
-"""The CSA/HCA compressors and the lightning indexer's key compressor, for one sequence at a time.
+"""The CSA/HCA compressors and the lightning indexer's key compressor on the paged cache.
 
-New tokens' projected kv and gate join the buffer of the open window; every window of `rate` tokens that
-closes is pooled into one entry (softmax over the window's slots per channel, with the learned position
-bias), normed, and rotated with the compressed RoPE at the window's first-token position.
-With `overlap` (CSA and its indexer), kv/gate carry two series per token: entry w pools the first series of
-window w-1 and the second series of window w, 2*rate slots in all.
+New tokens' projected kv and gate join the open-window buffer; every window of `rate` tokens that closes is
+pooled into one entry (softmax over the window's slots per channel, with the learned position bias), normed,
+and rotated with the compressed RoPE at the window's first-token position. With `overlap` (CSA and its
+indexer), kv/gate carry two series per token: entry w pools the first series of window w-1 (kept as the
+overlap state) and the second series of window w, 2*rate slots in all.
+
+`compress_prefill` runs one sequence's chunk (any length); `compress_decode` runs one token for each of B
+sequences with static shapes (CUDA-graph safe): it pools every row's buffer and writes the entry only where a
+window closed (elsewhere to the scratch block).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from deepinfer.model.state import CompressorState
-from deepinfer.model.weights import Compressor
+from deepinfer.cache import Compressor, SeqCache
+from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
 
 
-def _cat(prev: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if prev is None or prev.shape[0] == 0 else torch.cat([prev, new], dim=0)
+@dataclass(frozen=True)
+class RopeTables:
+    """Inverse frequencies and cos/sin scale of one RoPE flavour."""
+
+    inv_freq: torch.Tensor
+    attention_factor: float
 
 
-def compress(
-    ops: OpTable,
-    state: CompressorState,
-    weights: Compressor,
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    *,
-    rate: int,
-    overlap: bool,
-    eps: float,
-    inv_freq: torch.Tensor,
-    attention_factor: float,
+def _pool(ops: OpTable, w: CompressorWeights, slots_kv, slots_gate, positions, eps: float, rope: RopeTables):
+    entries = ops.rms_norm(ops.compress_pool(slots_kv, slots_gate), w.kv_norm, eps)
+    return ops.rope(entries, positions, rope.inv_freq, rope.attention_factor)
+
+
+def entry_rows(comp: Compressor, blocks: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """Rows of `comp.entries` (flattened) of entry indices `entries` given block ids per block index."""
+    per_block = comp.per_block
+    return blocks.gather(-1, entries // per_block) * per_block + entries % per_block
+
+
+def compress_prefill(
+    ops: OpTable, comp: Compressor, w: CompressorWeights, seq: SeqCache, t0: int, kv: torch.Tensor,
+    gate: torch.Tensor, eps: float, rope: RopeTables,
 ) -> torch.Tensor:
-    """Feed one sequence's new tokens (kv, gate [S, width]) and return all its entries so far [E, d]."""
-    first_position = state.entry_count * rate
-    kv, gate = _cat(state.buffer_kv, kv), _cat(state.buffer_gate, gate)
+    """Feed one sequence's new tokens (kv, gate [S, width], positions t0..t0+S-1); return all its entries [E, d]."""
+    rate, slot, d = comp.rate, seq.slot, w.kv_norm.shape[0]
+    fill, first_entry = t0 % rate, t0 // rate
+    kv = torch.cat([comp.buf_kv[slot, :fill], kv], dim=0)
+    gate = torch.cat([comp.buf_gate[slot, :fill], gate], dim=0)
     usable = (kv.shape[0] // rate) * rate
-    state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
-    d = weights.kv_norm.shape[0]
+    left = kv.shape[0] - usable
+    comp.buf_kv[slot, :left] = kv[usable:]
+    comp.buf_gate[slot, :left] = gate[usable:]
+    blocks = torch.tensor(seq.blocks, dtype=torch.long, device=kv.device)
     if usable:
-        n_windows = usable // rate
-        chunk_kv = kv[:usable].view(n_windows, rate, -1)
-        chunk_gate = gate[:usable].view(n_windows, rate, -1) + weights.position_bias
-        if overlap:
-            slots_kv = chunk_kv.new_zeros((n_windows, 2 * rate, d))
-            slots_gate = chunk_gate.new_full((n_windows, 2 * rate, d), float("-inf"))
+        n = usable // rate
+        chunk_kv = kv[:usable].view(n, rate, -1)
+        chunk_gate = gate[:usable].view(n, rate, -1) + w.position_bias
+        if comp.overlap:
+            slots_kv = chunk_kv.new_zeros((n, 2 * rate, d))
+            slots_gate = chunk_gate.new_full((n, 2 * rate, d), float("-inf"))
             slots_kv[:, rate:] = chunk_kv[..., d:]
             slots_gate[:, rate:] = chunk_gate[..., d:]
             slots_kv[1:, :rate] = chunk_kv[:-1, :, :d]
             slots_gate[1:, :rate] = chunk_gate[:-1, :, :d]
-            if state.overlap_kv is not None:
-                slots_kv[0, :rate] = state.overlap_kv.to(slots_kv.dtype)
-                slots_gate[0, :rate] = state.overlap_gate.to(slots_gate.dtype)
-            state.overlap_kv = chunk_kv[-1, :, :d].clone()
-            state.overlap_gate = chunk_gate[-1, :, :d].clone()
+            if first_entry > 0:  # the previous call closed a window: its first series is the overlap
+                slots_kv[0, :rate] = comp.ov_kv[slot]
+                slots_gate[0, :rate] = comp.ov_gate[slot]
+            comp.ov_kv[slot] = chunk_kv[-1, :, :d]
+            comp.ov_gate[slot] = chunk_gate[-1, :, :d]
         else:
             slots_kv, slots_gate = chunk_kv, chunk_gate
-        entries = ops.rms_norm(ops.compress_pool(slots_kv, slots_gate), weights.kv_norm, eps)
-        positions = torch.arange(n_windows, device=kv.device) * rate + first_position
-        entries = ops.rope(entries, positions, inv_freq, attention_factor)
-        state.entries = _cat(state.entries, entries)
-        state.entry_count += n_windows
-    if state.entries is None:
-        state.entries = kv.new_zeros((0, d))
-    return state.entries
+        new = torch.arange(first_entry, first_entry + n, device=kv.device)
+        entries = _pool(ops, w, slots_kv, slots_gate, new * rate, eps, rope)
+        comp.entries.view(-1, d)[entry_rows(comp, blocks, new)] = entries.to(comp.entries.dtype)
+    total = (t0 + kv.shape[0] - fill) // rate
+    return comp.entries.view(-1, d)[entry_rows(comp, blocks, torch.arange(total, device=kv.device))]
+
+
+def compress_decode(
+    ops: OpTable, comp: Compressor, w: CompressorWeights, slots: torch.Tensor, positions: torch.Tensor,
+    blocks: torch.Tensor, scratch_block: int, kv: torch.Tensor, gate: torch.Tensor, eps: float, rope: RopeTables,
+) -> None:
+    """One new token per row: kv/gate [B, width] at `positions` [B] for sequences in `slots` [B] whose block
+    tables are `blocks` [B, max_blocks]. Static shapes throughout."""
+    rate, d = comp.rate, w.kv_norm.shape[0]
+    within = positions % rate
+    comp.buf_kv[slots, within] = kv.to(comp.buf_kv.dtype)
+    comp.buf_gate[slots, within] = gate.to(comp.buf_gate.dtype)
+    closing = (positions + 1) % rate == 0
+    entry = torch.clamp((positions + 1) // rate - 1, min=0)  # the entry that closes now (where closing)
+    chunk_kv = comp.buf_kv[slots]  # [B, rate, width]
+    chunk_gate = comp.buf_gate[slots] + w.position_bias
+    if comp.overlap:
+        has_prior = (entry > 0).view(-1, 1, 1)
+        prior_gate = torch.where(has_prior, comp.ov_gate[slots], torch.full_like(comp.ov_gate[slots], float("-inf")))
+        slots_kv = torch.cat([comp.ov_kv[slots], chunk_kv[..., d:]], dim=1)
+        slots_gate = torch.cat([prior_gate, chunk_gate[..., d:]], dim=1)
+        keep = closing.view(-1, 1, 1)
+        comp.ov_kv[slots] = torch.where(keep, chunk_kv[..., :d], comp.ov_kv[slots])
+        comp.ov_gate[slots] = torch.where(keep, chunk_gate[..., :d], comp.ov_gate[slots])
+    else:
+        slots_kv, slots_gate = chunk_kv, chunk_gate
+    entries = _pool(ops, w, slots_kv, slots_gate, entry * rate, eps, rope)
+    rows = entry_rows(comp, blocks, entry.view(-1, 1)).view(-1)
+    scratch = torch.full_like(rows, scratch_block * comp.per_block)
+    comp.entries.view(-1, d)[torch.where(closing, rows, scratch)] = entries.to(comp.entries.dtype)

@@ -1,18 +1,23 @@
-"""DeepSeek-V4 forward pass over a flat batch of new tokens, every op called through an `OpTable`.
+"""DeepSeek-V4 forward passes over the paged cache, every op called through an `OpTable`.
 
 Per token: embed, copy into `hc_mult` residual streams; per layer: mHC collapse -> attention -> mHC mix, then
 mHC collapse -> MoE (hash or top-k routed, plus the shared expert) -> mHC mix; finally the HyperHead collapse,
-the final norm and the LM head.
+the final norm and the LM head. `prefill` runs chunks of one or more sequences eagerly; `decode` runs one
+token per sequence with static shapes (what the runtime graph captures).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from deepinfer.cache import PagedCache, SeqCache
 from deepinfer.config import HASH_MOE, SLIDING, ModelConfig
-from deepinfer.model.attention import AttentionContext, RopeTables, attention_block
+from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
+from deepinfer.model.compressor import RopeTables
+from deepinfer.model.decode import DecodeInputs, decode_core
 from deepinfer.model.rope import inv_freq
-from deepinfer.model.state import ForwardBatch
 from deepinfer.model.weights import MoE, ModelWeights
 from tilekernels import OpTable
 
@@ -22,9 +27,7 @@ class DeepseekV4:
         self.cfg, self.weights, self.ops = cfg, weights, ops
         device = weights.embed.device
         main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device), cfg.rope_main.attention_factor)
-        comp = RopeTables(
-            inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device), cfg.rope_compress.attention_factor
-        )
+        comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device), cfg.rope_compress.attention_factor)
         self._attn_ctx = [
             AttentionContext(cfg, ops, i, main if kind == SLIDING else comp, comp)
             for i, kind in enumerate(cfg.layer_types)
@@ -39,30 +42,52 @@ class DeepseekV4:
         return self.weights.embed.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the new tokens through the model, advancing each sequence's state; return fp32 logits of
-        `batch.logit_rows` (every row when None), [M, vocab]."""
+    def prefill(self, cache: PagedCache, ids: torch.Tensor, positions: torch.Tensor,
+                seqs: list[tuple[SeqCache, int, int]], logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunks of sequences: `seqs` lists (sequence, first row, rows) of the flat `ids`/`positions`; each chunk
+        continues its sequence (its first position is the sequence's token count). Returns fp32 logits of
+        `logit_rows` (every row when None). Advances each sequence's token count."""
+        for seq, start, _ in seqs:
+            if int(positions[start]) != seq.num_tokens:
+                raise AssertionError(f"chunk starts at {int(positions[start])} but the sequence holds {seq.num_tokens}")
+
+        def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
+            ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
+            p = project(ctx, w, x, positions)
+            return finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), positions)
+
+        logits = self._forward(ids, attend, logit_rows)
+        for seq, _, length in seqs:
+            seq.num_tokens += length
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, cache: PagedCache, inp: DecodeInputs) -> torch.Tensor:
+        """One token per row (static shapes; the caller advances token counts). Returns fp32 logits [B, V]."""
+
+        def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
+            ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
+            p = project(ctx, w, x, inp.positions)
+            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], cache), inp.positions)
+
+        return self._forward(inp.ids, attend, None)
+
+    def _forward(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
+                 logit_rows: torch.Tensor | None) -> torch.Tensor:
         cfg, ops, w = self.cfg, self.ops, self.weights
         eps = cfg.rms_norm_eps
-        for seq in batch.seqs:
-            first = int(batch.positions[seq.offset])
-            if first != seq.state.num_tokens:
-                raise AssertionError(f"positions start at {first} but the sequence holds {seq.state.num_tokens} tokens")
-        x = ops.embedding(batch.input_ids, w.embed)
+        x = ops.embedding(ids, w.embed)
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(w.layers):
             hc = layer.attn_hc
             post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-            a = attention_block(self._attn_ctx[i], layer.attn, ops.rms_norm(collapsed, layer.input_norm, eps), batch)
-            streams = ops.hc_post(streams, a, post, comb)
+            streams = ops.hc_post(streams, attend(i, ops.rms_norm(collapsed, layer.input_norm, eps)), post, comb)
             hc = layer.ffn_hc
             post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-            f = self._moe(i, layer.moe, ops.rms_norm(collapsed, layer.post_attention_norm, eps), batch.input_ids)
+            f = self._moe(i, layer.moe, ops.rms_norm(collapsed, layer.post_attention_norm, eps), ids)
             streams = ops.hc_post(streams, f, post, comb)
-        for seq in batch.seqs:
-            seq.state.num_tokens += seq.length
-        if batch.logit_rows is not None:
-            streams = streams[batch.logit_rows]
+        if logit_rows is not None:
+            streams = streams[logit_rows]
         hc = w.hc_head
         h = ops.rms_norm(ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, eps), w.norm, eps)
         return ops.linear(h, w.lm_head).float()

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from deepinfer.config import ModelConfig
-from deepinfer.model.model import DeepseekV4
-from deepinfer.model.state import ForwardBatch, SeqSlice, SequenceState
 from deepinfer.model.weights import ModelWeights
-from tests.helpers import TINY_A, TINY_B, canonical_state, hf_greedy, hf_model
+from tests.helpers import TINY_A, TINY_B, Runner, canonical_state, hf_greedy, hf_model
 from tilekernels import reference_table
 
 TOL = 1e-4
@@ -20,63 +18,67 @@ DECODE_STEPS = 40
 def build(raw):
     hf = hf_model(raw)
     cfg = ModelConfig.from_dict(raw)
-    return hf, DeepseekV4(cfg, ModelWeights.from_tensors(cfg, canonical_state(hf)), reference_table())
-
-
-def step(model, state, ids, start):
-    n = len(ids)
-    batch = ForwardBatch(torch.as_tensor(ids), torch.arange(start, start + n), (SeqSlice(state, 0, n),))
-    return model.forward(batch)
+    return hf, Runner(cfg, ModelWeights.from_tensors(cfg, canonical_state(hf)), reference_table())
 
 
 @pytest.mark.parametrize("raw", [TINY_A, TINY_B], ids=["sqrtsoftplus-w128", "sigmoid-w16-hc2"])
 def test_prefill_and_decode_logits_match_hf(raw):
-    hf, model = build(raw)
+    hf, run = build(raw)
     ids = torch.randint(0, raw["vocab_size"], (PROMPT_LEN,))
     ref_prefill, ref_steps, ref_tokens = hf_greedy(hf, ids, DECODE_STEPS)
 
-    state = SequenceState.empty(model.cfg)
-    logits = step(model, state, ids.tolist(), 0)
+    seq = run.new_seq()
+    logits = run.prefill(seq, ids)
     assert logits.shape == ref_prefill.shape
     assert (logits - ref_prefill).abs().max().item() <= TOL
     tokens = [int(logits[-1].argmax())]
     for i, ref in enumerate(ref_steps):
-        out = step(model, state, [tokens[-1]], PROMPT_LEN + i)[0]
+        out = run.decode([seq], [tokens[-1]])[0]
         assert (out - ref).abs().max().item() <= TOL, f"decode step {i}"
         tokens.append(int(out.argmax()))
     assert tokens == ref_tokens
-    # the run exercised what it claims: compressed entries exist and the indexer had more than top-k to pick from
-    layer_types = model.cfg.layer_types
-    csa = layer_types.index("compressed_sparse_attention")
-    hca = layer_types.index("heavily_compressed_attention")
-    assert state.layers[csa].compressor.entry_count > 4 * model.cfg.index_topk
-    assert state.layers[hca].compressor.entry_count >= 2
+    # the run exercised what it claims: the indexer had more than top-k entries to pick from, HCA windows closed
+    cfg = run.model.cfg
+    assert seq.num_tokens // cfg.compress_rate_csa > 4 * cfg.index_topk
+    assert seq.num_tokens // cfg.compress_rate_hca >= 2
 
 
 def test_chunked_prefill_equals_one_shot():
-    _, model = build(TINY_A)
+    _, run = build(TINY_A)
     ids = torch.randint(0, TINY_A["vocab_size"], (PROMPT_LEN,)).tolist()
-    one = step(model, SequenceState.empty(model.cfg), ids, 0)
-    state, parts, pos = SequenceState.empty(model.cfg), [], 0
+    one = run.prefill(run.new_seq(), ids)
+    seq, parts, pos = run.new_seq(), [], 0
     for n in [1, 1, 3, 32, 1, 26, 127, 1, 108]:
-        parts.append(step(model, state, ids[pos : pos + n], pos))
+        parts.append(run.prefill(seq, ids[pos : pos + n]))
         pos += n
     assert pos == PROMPT_LEN
     assert (torch.cat(parts) - one).abs().max().item() <= 1e-5
 
 
-def test_two_sequences_in_one_batch_equal_each_alone():
-    _, model = build(TINY_B)
-    a = torch.randint(0, TINY_B["vocab_size"], (70,)).tolist()
-    b = torch.randint(0, TINY_B["vocab_size"], (33,)).tolist()
-    alone_a = step(model, SequenceState.empty(model.cfg), a, 0)
-    alone_b = step(model, SequenceState.empty(model.cfg), b, 0)
-    sa, sb = SequenceState.empty(model.cfg), SequenceState.empty(model.cfg)
-    batch = ForwardBatch(
-        torch.tensor(a + b),
-        torch.cat([torch.arange(len(a)), torch.arange(len(b))]),
-        (SeqSlice(sa, 0, len(a)), SeqSlice(sb, len(a), len(b))),
-    )
-    both = model.forward(batch)
-    assert (both[: len(a)] - alone_a).abs().max().item() <= 1e-5
-    assert (both[len(a) :] - alone_b).abs().max().item() <= 1e-5
+def test_batched_decode_and_prefill_equal_each_sequence_alone():
+    _, run = build(TINY_B)
+    prompts = [torch.randint(0, TINY_B["vocab_size"], (n,)).tolist() for n in (70, 33, 5)]
+    feeds = [torch.randint(0, TINY_B["vocab_size"], (6,)).tolist() for _ in prompts]
+    alone = []
+    for p, feed in zip(prompts, feeds):
+        seq = run.new_seq()
+        logits = [run.prefill(seq, p)[-1]]
+        for t in range(6):
+            logits.append(run.decode([seq], [feed[t]])[0])
+        alone.append(torch.stack(logits))
+        run.cache.release(seq)
+    seqs = [run.new_seq() for _ in prompts]
+    flat = torch.tensor(sum(prompts, []))
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    layout, start = [], 0
+    for s, p in zip(seqs, prompts):
+        run.cache.grow(s, len(p))
+        layout.append((s, start, len(p)))
+        start += len(p)
+    ends = torch.tensor([start - 1 for start in torch.cumsum(torch.tensor([len(p) for p in prompts]), 0).tolist()])
+    together = [run.model.prefill(run.cache, flat, pos, layout, ends)]
+    for t in range(6):
+        together.append(run.decode(seqs, [feed[t] for feed in feeds]))
+    together = torch.stack(together, dim=1)  # [seqs, steps, V]
+    for i in range(len(prompts)):
+        assert (together[i] - alone[i]).abs().max().item() <= 1e-5

@@ -91,20 +91,19 @@ def test_op_matches_reference_in_fp32(case, ops, cache):
 
 def test_tiny_model_through_kernels_equals_reference_path(cache):
     from deepinfer.config import ModelConfig
-    from deepinfer.model.model import DeepseekV4
-    from deepinfer.model.state import ForwardBatch, SeqSlice, SequenceState
     from deepinfer.model.weights import ModelWeights
-    from tests.helpers import TINY_A, canonical_state, hf_model
+    from tests.helpers import TINY_A, Runner, canonical_state, hf_model
 
     cfg = ModelConfig.from_dict(TINY_A)
     weights = ModelWeights.from_tensors(cfg, canonical_state(hf_model(TINY_A)))
     ids = torch.randint(0, cfg.vocab_size, (150,))
 
     def logits(table):
-        model, state = DeepseekV4(cfg, weights, table), SequenceState.empty(cfg)
-        out = [model.forward(ForwardBatch(ids[:140], torch.arange(140), (SeqSlice(state, 0, 140),)))]
+        run = Runner(cfg, weights, table, tokens=256, seqs=1)
+        seq = run.new_seq()
+        out = [run.prefill(seq, ids[:140])]
         for i in range(140, 150):  # decode steps one token at a time
-            out.append(model.forward(ForwardBatch(ids[i : i + 1], torch.tensor([i]), (SeqSlice(state, 0, 1),))))
+            out.append(run.decode([seq], ids[i : i + 1]))
         return torch.cat(out)
 
     assert (logits(kernel_table("cpu", cache)) - logits(reference_table())).abs().max().item() <= 1e-4

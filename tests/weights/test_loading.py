@@ -12,20 +12,17 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer.config import ModelConfig
 from deepinfer.errors import ConfigError, WeightsError
-from deepinfer.model.model import DeepseekV4
-from deepinfer.model.state import ForwardBatch, SeqSlice, SequenceState
 from deepinfer.model.weights import ModelWeights
 from deepinfer.weights.loader import load_checkpoint
-from tests.helpers import TINY_A, canonical_state, hf_model, write_json
+from tests.helpers import TINY_A, Runner, canonical_state, hf_model, write_json
 from tilekernels import reference_table
 
 IDS = torch.arange(150) * 7 % 512
 
 
 def logits_of(cfg: ModelConfig, tensors) -> torch.Tensor:
-    model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, tensors), reference_table())
-    state = SequenceState.empty(cfg)
-    return model.forward(ForwardBatch(IDS, torch.arange(len(IDS)), (SeqSlice(state, 0, len(IDS)),)))
+    run = Runner(cfg, ModelWeights.from_tensors(cfg, tensors), reference_table(), tokens=256, seqs=1)
+    return run.prefill(run.new_seq(), IDS)
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:

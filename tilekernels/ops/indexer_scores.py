@@ -6,8 +6,10 @@ from tilekernels.op import OpDecl
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [S, nI, dI], keys [E, dI], weights [S, nI] -> scores [S, E] fp32."""
-    scores = torch.matmul(q.float(), keys.float().transpose(0, 1).unsqueeze(0))  # [S, nI, E]
+    """q [S, nI, dI], keys [E, dI] (shared by every query) or [S, E, dI] (one key set per query),
+    weights [S, nI] -> scores [S, E] fp32."""
+    k = keys.float().transpose(-1, -2)
+    scores = torch.matmul(q.float(), k if keys.dim() == 3 else k.unsqueeze(0))  # [S, nI, E]
     scores = torch.relu(scores) * scale
     return (scores * weights.float().unsqueeze(-1)).sum(dim=1)
 

@@ -1,0 +1,197 @@
+"""Decode and prefill of a "V4-Flash slice" on the GPU: V4-Flash's real layer shapes (H 4096, 64 heads of
+512, 256 experts top-6 of width 2048) in four layers (sliding + hash-MoE, sliding, CSA, HCA), random bf16
+weights, through the engine's kernels and decode graphs; in the same run, the same weights under HF
+transformers and under the project's own PyTorch reference path on the GPU.
+
+    deepinfer compile --target sm90 --model benchmarks/configs/v4-flash-slice --jobs 16
+    python benchmarks/decode.py [--out results.json] [--commit SHA]
+
+Decode contexts are synthetic: each sequence's cache is sized and its token count set to the context, so a
+step reads exactly what a step at that context reads (the values are zeros). The floor of a step is the bytes
+it must read (the weights it touches: every dense weight, the expected distinct experts for the batch, plus
+the KV rows, indexer keys and compressed entries its queries read) divided by the measured HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SLICE = ROOT / "benchmarks" / "configs" / "v4-flash-slice"
+
+
+def floor_bytes(cfg, specs, batch: int, context: int) -> int:
+    from deepinfer.config import CSA, HCA, SLIDING
+
+    dense = sum(torch.Size(s.shape).numel() * (4 if s.kind == "fp32" else 2) for name, s in specs.items()
+                if ".experts." not in name and name != "embed_tokens.weight" and s.kind != "int")
+    e, k, h, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    hit = e * (1 - (1 - k / e) ** batch)
+    experts = cfg.num_hidden_layers * hit * 3 * h * i * 2
+    d, w = cfg.head_dim, cfg.sliding_window
+    kv = 0
+    for kind in cfg.layer_types:
+        rows = w
+        if kind == CSA:
+            rows += min(cfg.index_topk, context // cfg.compress_rate_csa)
+            kv += context // cfg.compress_rate_csa * cfg.index_head_dim * 2
+        elif kind == HCA:
+            rows += context // cfg.compress_rate_hca
+        assert kind in (SLIDING, CSA, HCA)
+        kv += rows * d * 2
+    return int(dense + experts + batch * (kv + h * 2))
+
+
+def cuda_ms(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(1 << 30, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (cuda_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e9
+
+
+def synthetic_cache(cfg, batch: int, context: int, dtype):
+    from deepinfer.cache import CacheSpec, PagedCache
+
+    per_seq = context // 128 + 2
+    cache = PagedCache(cfg, CacheSpec(num_blocks=batch * per_seq, max_seqs=batch, max_blocks_per_seq=per_seq), dtype, "cuda")
+    seqs = []
+    for _ in range(batch):
+        s = cache.admit()
+        assert cache.grow(s, context + 1)
+        s.num_tokens = context
+        seqs.append(s)
+    return cache, seqs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+
+    from backends.nvidia.graphs import CudaGraphs
+    from deepinfer.config import ModelConfig
+    from deepinfer.env import Env
+    from deepinfer.model.model import DeepseekV4
+    from deepinfer.model.weights import ModelWeights, tensor_specs
+    from deepinfer.runtime.graph import DecodeGraphs
+    from deepinfer.tiny import random_tensors
+    from tilekernels import reference_table
+    from tilekernels.kernels import kernel_table
+
+    dtype = torch.bfloat16
+    cfg = ModelConfig.from_model_dir(SLICE)
+    specs = tensor_specs(cfg)
+    tensors = random_tensors(cfg, seed=0, dtype=dtype, device="cuda")
+    weights = ModelWeights.from_tensors(cfg, tensors)
+    model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir))
+    bw = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()), "commit": args.commit,
+               "copy_gbs": bw, "weights_gb": sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9,
+               "decode": [], "prefill": []}
+    print(f"# {results['device']} | {results['date']} | commit {args.commit} | copy {bw:.0f} GB/s | "
+          f"slice weights {results['weights_gb']:.1f} GB", flush=True)
+    print("| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            cache, seqs = synthetic_cache(cfg, batch, context, dtype)
+            graphs = DecodeGraphs(model, cache, batch, CudaGraphs())
+            ids, pos = list(range(100, 100 + batch)), [context] * batch
+            with torch.inference_mode():
+                ms = cuda_ms(lambda: graphs.run(ids, pos, seqs), 10)
+            floor = floor_bytes(cfg, specs, batch, context) / (bw * 1e9) * 1e3
+            row = dict(context=context, batch=batch, step_ms=ms, tok_s=batch / ms * 1e3, floor_ms=floor, ratio=ms / floor)
+            results["decode"].append(row)
+            print(f"| {context} | {batch} | {ms:.3f} | {row['tok_s']:.0f} | {floor:.3f} | {ms / floor:.2f}x |", flush=True)
+            del cache, graphs
+            torch.cuda.empty_cache()
+    for n in (4096, 16384):
+        from deepinfer.cache import CacheSpec, PagedCache
+
+        ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+        cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),
+                           dtype, "cuda")
+        seq = cache.admit()
+        cache.grow(seq, n)
+
+        def run_prefill():
+            seq.num_tokens = 0
+            for start in range(0, n, 4096):
+                model.prefill(cache, ids[start : start + 4096], torch.arange(start, start + 4096, device="cuda"),
+                              [(seq, 0, 4096)], torch.tensor([4095], device="cuda"))
+
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            run_prefill()
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - begin
+        results["prefill"].append(dict(tokens=n, seconds=secs, tok_s=n / secs))
+        print(f"prefill {n} tokens: {secs:.2f} s, {n / secs:.0f} tok/s (first run, kernels loaded)", flush=True)
+    # the project's PyTorch reference path on the GPU, batch 1 at 4K (eager: its expert loop syncs)
+    ref_model = DeepseekV4(cfg, weights, reference_table())
+    cache, seqs = synthetic_cache(cfg, 1, 4096, dtype)
+    graphs = DecodeGraphs(ref_model, cache, 1, None)
+    with torch.inference_mode():
+        ref_ms = cuda_ms(lambda: graphs.run([100], [4096], seqs), 5)
+    results["reference_path_b1_4k_ms"] = ref_ms
+    print(f"own PyTorch reference path, batch 1, 4K: {ref_ms:.2f} ms/step ({1e3 / ref_ms:.1f} tok/s)", flush=True)
+    if not args.skip_hf:
+        results["hf_b1_4k_ms"] = hf_decode(cfg, tensors)
+        print(f"HF transformers, batch 1, 4K: {results['hf_b1_4k_ms']:.2f} ms/step "
+              f"({1e3 / results['hf_b1_4k_ms']:.1f} tok/s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def hf_decode(cfg, tensors, context: int = 4096, steps: int = 5) -> float:
+    """HF transformers' DeepseekV4ForCausalLM on the same weight storage: prefill `context`, then time decode."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
+
+    raw = {k: v for k, v in cfg.raw.items() if k not in ("model_type", "architectures")}
+    with torch.device("meta"):
+        hf = DeepseekV4ForCausalLM(DeepseekV4Config(**raw))
+    state = {("model." + k if not k.startswith("lm_head") else k): v for k, v in tensors.items()}
+    hf.load_state_dict(state, strict=True, assign=True)
+    hf.eval()
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    for name, module in list(hf.named_modules()):  # non-persistent rotary tables stayed on meta: rebuild them
+        if isinstance(module, DeepseekV4RotaryEmbedding):
+            parent = hf.get_submodule(name.rsplit(".", 1)[0]) if "." in name else hf
+            setattr(parent, name.rsplit(".", 1)[-1], DeepseekV4RotaryEmbedding(hf.config, device="cuda"))
+    for name, buf in hf.named_buffers():
+        if buf.is_meta:
+            raise RuntimeError(f"HF buffer {name} was not materialised")
+    ids = torch.randint(0, cfg.vocab_size, (1, context), device="cuda")
+    with torch.no_grad():
+        past = DynamicCache(config=hf.config)
+        out = hf(ids, past_key_values=past, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        return cuda_ms(lambda: hf(token, past_key_values=past, use_cache=True), steps)
+
+
+if __name__ == "__main__":
+    main()

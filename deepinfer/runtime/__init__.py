@@ -1,0 +1,1 @@
+"""The thin runtime: the decode step as a static graph per batch bucket."""

@@ -1,0 +1,114 @@
+"""Continuous batching over the paged cache.
+
+Each step is either a prefill step (the next chunks of the requests still reading their prompt, several
+requests in one forward, under a token budget) or a decode step (one token for every running request). When
+blocks run out, the most recently admitted request is preempted: its slot and blocks are freed and it goes
+back to the front of the queue, to be recomputed (prefilled again over its prompt and the tokens it generated)
+when it is admitted again. No request is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.cache import PagedCache
+from deepinfer.errors import ConfigError
+from deepinfer.request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once (also the largest decode batch)
+    max_prefill_tokens: int = 2048  # prompt tokens per prefill step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    chunks: tuple[tuple[Request, int], ...]  # (request, tokens this step)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    requests: tuple[Request, ...]
+
+
+class Scheduler:
+    def __init__(self, cache: PagedCache, config: SchedulerConfig, max_len: int):
+        self.cache, self.config, self.max_len = cache, config, max_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        need = min(len(req.prompt_ids) + req.params.max_new_tokens, self.max_len)
+        self.cache.check_fits(need, f"request {req.index}")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request) -> None:
+        self.cache.release(req.cache)
+        req.cache = None
+        self.running.remove(req)
+
+    def next_step(self) -> PrefillStep | DecodeStep:
+        self._admit()
+        prefill = self._prefill_step()
+        if prefill is not None:
+            return prefill
+        decoding = [r for r in self.running if not r.in_prefill]
+        for r in list(decoding):
+            if r not in self.running:
+                continue  # preempted while making room for an earlier request
+            while not self.cache.grow(r.cache, r.num_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is r:
+                    break
+        return DecodeStep(tuple(r for r in decoding if r in self.running))
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.cache.admit()
+            if seq is None:
+                return
+            req = self.waiting.popleft()
+            req.cache = seq
+            self.running.append(req)
+
+    def _prefill_step(self) -> PrefillStep | None:
+        budget, chunks = self.config.max_prefill_tokens, []
+        for r in [r for r in self.running if r.in_prefill]:
+            if budget == 0:
+                break
+            take = min(len(r.prefill_ids) - r.cached, budget)
+            room = (len(r.cache.blocks) + self.cache.free_blocks) * self.cache.spec.block_tokens - r.cached
+            take = min(take, room)
+            if take <= 0:
+                continue
+            self.cache.grow(r.cache, r.cached + take)
+            chunks.append((r, take))
+            budget -= take
+        if chunks:
+            return PrefillStep(tuple(chunks))
+        stuck = [r for r in self.running if r.in_prefill]
+        if stuck and len(self.running) > 1:  # prompts that cannot advance: free the newest request's blocks
+            self.preempt(self.running[-1])
+            return self._prefill_step()
+        return None
+
+    def preempt(self, req: Request) -> None:
+        self.cache.release(req.cache)
+        req.cache = None
+        req.preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1
