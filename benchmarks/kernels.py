@@ -53,11 +53,19 @@ def time_fn(fn, iters: int = 30) -> tuple[float, str]:
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy of 4 GiB of fp32 (bytes read + bytes written per second)."""
+    """Device-to-device copy of 4 GiB of fp32 (bytes read + bytes written per second), timed eagerly: a
+    graph-replayed copy measured ~2.7 TB/s where the eager one gives ~4.3 TB/s on the H200."""
     src = torch.randn(1 << 30, device="cuda")
     dst = torch.empty_like(src)
-    ms, _ = time_fn(lambda: dst.copy_(src), iters=20)
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def cases(t: int, weights: dict) -> dict:

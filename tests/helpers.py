@@ -87,6 +87,17 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1))
 
 
+def save_model_dir(path: Path, raw: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """An HF-format directory (config.json + model.safetensors, HF in-memory names) without transformers."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_json(path / "config.json", raw)
+    save_file({(k if k.startswith("lm_head") else "model." + k): v.contiguous().cpu() for k, v in tensors.items()},
+              str(path / "model.safetensors"))
+    return path
+
+
 class Runner:
     """A model with a small paged cache, for driving prefill and decode steps by hand in tests."""
 

@@ -9,7 +9,9 @@ import torch
 import deepinfer
 from deepinfer.runtime.graph import DecodeGraphs
 from deepinfer.sampling import SamplingParams
-from tests.helpers import TINY_A, hf_model
+from deepinfer.config import ModelConfig
+from deepinfer.tiny import random_tensors
+from tests.helpers import TINY_A, save_model_dir
 
 pytestmark = pytest.mark.gpu
 STEPS = 40
@@ -17,13 +19,11 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def confident(tmp_path_factory):
-    """The tiny HF config with a sharpened LM head: greedy margins far above bf16 rounding."""
-    model = hf_model(TINY_A)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    path = tmp_path_factory.mktemp("gpu-engine") / "tiny"
-    model.save_pretrained(path)
-    return path
+    """A tiny random model (the HF test config) with a sharpened LM head: greedy margins far above bf16
+    rounding, so the bf16 kernels and the fp32 reference must agree token for token."""
+    tensors = random_tensors(ModelConfig.from_dict(TINY_A), seed=0)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 30.0
+    return save_model_dir(tmp_path_factory.mktemp("gpu-engine") / "tiny", TINY_A, tensors)
 
 
 def prompts():

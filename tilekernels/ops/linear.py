@@ -34,6 +34,7 @@ class Config:
     block_k: int = 64
     stages: int = 3
     threads: int = 128
+    narrow_threads: int = 128  # 64-row tiles: four warps cover 64 rows of wgmma/mma
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -50,7 +51,7 @@ def body(P, v: Variant, cfg: Config):
     @T.prim_func
     def kernel(A: T.Tensor((M, G * K), dtype), W: T.Tensor((G * N, K), dtype), C: T.Tensor(out_shape, out_dtype)):
         MT = T.ceildiv(M, BM)
-        with P.kernel(MT * NT * G * SK, cfg.threads) as pid:
+        with P.kernel(MT * NT * G * SK, cfg.narrow_threads if v.narrow else cfg.threads) as pid:
             a_op = P.alloc_operand((BM, BK), dtype)
             b_op = P.alloc_operand((BN, BK), dtype)
             acc = P.alloc_acc((BM, BN), "float32")
@@ -76,7 +77,7 @@ KERNEL = Kernel("gemm", body, configs={
     "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256),  # benchmarks/tune_gemm.py
     "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
-    "cpu": Config(block_m=16, block_n=16, block_k=16, stages=0, threads=1),
+    "cpu": Config(block_m=16, block_n=16, block_k=16, stages=0, threads=1, narrow_threads=1),
 })
 
 
