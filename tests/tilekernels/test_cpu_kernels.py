@@ -99,11 +99,11 @@ def test_tiny_model_through_kernels_equals_reference_path(cache):
     ids = torch.randint(0, cfg.vocab_size, (150,))
 
     def logits(table):
-        run = Runner(cfg, weights, table, tokens=256, seqs=1)
-        seq = run.new_seq()
-        out = [run.prefill(seq, ids[:140])]
-        for i in range(140, 150):  # decode steps one token at a time
-            out.append(run.decode([seq], ids[i : i + 1]))
+        run = Runner(cfg, weights, table, tokens=256, seqs=2)
+        a, b = run.new_seq(), run.new_seq()
+        out = [run.prefill(a, ids[:140]), run.prefill(b, ids[:23])]
+        for i in range(140, 150):  # decode steps, both sequences in one batch
+            out.append(run.decode([a, b], [int(ids[i]), int(ids[i - 117])]))
         return torch.cat(out)
 
     assert (logits(kernel_table("cpu", cache)) - logits(reference_table())).abs().max().item() <= 1e-4

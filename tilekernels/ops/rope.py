@@ -91,12 +91,11 @@ def run(launch, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
         inverse: bool = False) -> torch.Tensor:
     heads = 1 if x.dim() == 2 else x.shape[-2]
     v = Variant(heads=heads, dim=x.shape[-1], rope_dim=2 * inv_freq.shape[0], dtype=dtypes.name(x.dtype), inverse=inverse)
-    require(x.is_contiguous(), "rope", "x must be contiguous")
     require(v.rope_dim <= v.dim, "rope", f"the rotated width {v.rope_dim} exceeds the head dim {v.dim}")
-    rows = x.reshape(-1, heads, v.dim)
+    rows = x.reshape(-1, heads, v.dim).contiguous()
     y = torch.empty_like(rows)
     launch("rope", v)(rows, positions.to(torch.int32), inv_freq.float().contiguous(), y, float(attention_factor))
-    return y.view_as(x)
+    return y.view(x.shape)
 
 
 def example(v: Variant, rows: int, device) -> tuple:

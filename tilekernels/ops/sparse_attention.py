@@ -225,7 +225,7 @@ def run(launch, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks:
     launch("split", v)(q.contiguous(), kv.contiguous(), idx, o_part, stats, float(scale))
     out = torch.empty_like(q)
     launch("combine", v)(o_part, stats, sinks.float().contiguous(), out)
-    return out[:, :heads] if h != heads else out
+    return out[:, :heads].contiguous() if h != heads else out
 
 
 def example(v: Variant, rows: int, device, kv_rows: int = 640) -> tuple:
