@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -19,7 +20,9 @@ from deepinfer.model.model import DeepseekV4
 from deepinfer.model.weights import ModelWeights, tensor_specs
 from deepinfer.runtime.graph import DecodeGraphs
 from deepinfer.scheduler import SchedulerConfig
-from deepinfer.recipe import EncodedPrompt, Recipe, tokenizer_path
+from deepinfer.structured import THINK_END, Constraint, Grammars, from_so_args
+from deepinfer.api_requests import APIError, APIRequest, convert, error_body
+from deepinfer.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
 from deepinfer.request import Request, RequestOutput
 from deepinfer.sampling import SamplingParams, request_seed
 
@@ -115,8 +118,12 @@ class LLM:
         self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.device, torch_dtype, max_num_seqs, max_model_len,
                                                 num_blocks, gpu_memory_utilization), torch_dtype, device)
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
+        self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
+                                 self.recipe.special_token_id(THINK_END))
+        self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
         graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.backend.capture)
-        self.engine = Engine(self.model, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), graphs)
+        self.engine = Engine(self.model, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), graphs,
+                             self.grammars)
         self.last_stats: RunStats | None = None
 
     # ---- public API ----------------------------------------------------------------------------
@@ -128,28 +135,58 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for raw-text prompts (str or {"prompt": ...}), chats ({"messages": [...]}) or token ids
-        ({"token_ids": [...]}). A dict may also set "thinking" (chat only)."""
+        ({"token_ids": [...]}). A dict may also set "thinking" (chat only), "so_args" (structured output: one
+        of json_schema, regex, ebnf) and "max_reasoning_tokens" (a thinking budget)."""
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        encoded = [self._encode(item) for item in items]
-        return self._run(encoded, sampling_params, use_tqdm)
+        prepared = [self._prepare(item) for item in items]
+        return self._run(prepared, _expand_params(sampling_params, len(prepared)), use_tqdm)
 
     def chat(
         self,
-        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        messages: Sequence[dict] | Sequence[Sequence[dict]] | dict,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         thinking: bool = False,
+        so_args: dict | None = None,
+        api: str = "chat.completions",
         use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of message dicts) or to several (a list of those)."""
+    ) -> list[RequestOutput] | list[RequestOutput | APIError]:
+        """Replies to one conversation (a list of message dicts) or to several (a list of those); or, given a
+        whole request body (a dict with "model"), the API's response to it (`api`: chat.completions,
+        responses or messages)."""
+        if isinstance(messages, dict):
+            return self.serve([{"api": api, "body": messages}], use_tqdm=use_tqdm)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        encoded = [self._encode({"messages": list(c), "thinking": thinking}) for c in conversations]
-        return self._run(encoded, sampling_params, use_tqdm)
+        items = [{"messages": list(c), "thinking": thinking, **({"so_args": so_args} if so_args else {})}
+                 for c in conversations]
+        prepared = [self._prepare(item) for item in items]
+        return self._run(prepared, _expand_params(sampling_params, len(prepared)), use_tqdm)
+
+    def serve(self, lines: Sequence[dict], *, stream: bool = False, use_tqdm: bool = True,
+              on_chunk: Callable[[str, dict], None] | None = None) -> list[RequestOutput | APIError]:
+        """Requests in the APIs' own shapes (OpenAI batch lines: {"custom_id", "url" or "api", "body"}). Each
+        result is a RequestOutput whose `response` is the API's response object (with `stream`, `chunks` is its
+        stream, each chunk also passed to `on_chunk(custom_id, chunk)` as soon as it is produced), or an
+        APIError with the API's error body; an invalid request does not stop the others."""
+        results: list[RequestOutput | APIError | None] = []
+        runnable: list[tuple[int, APIRequest, Prepared]] = []
+        for i, line in enumerate(lines):
+            converted = convert(self.recipe, line, i, self.engine.max_len, stream, self.served_names,
+                                lambda ids, c, i=i: self._validate(i, ids, c), on_chunk)
+            if isinstance(converted, APIRequest):
+                runnable.append((i, converted, Prepared(converted.prompt, None, converted.constraint,
+                                                        converted.thinking, converted.reasoning_budget)))
+            results.append(converted if isinstance(converted, APIError) else None)
+        outputs = self._run([p for _, _, p in runnable], [r.params for _, r, _ in runnable], use_tqdm,
+                            [(r.output, r.custom_id) for _, r, _ in runnable]) if runnable else []
+        for (i, _, _), out in zip(runnable, outputs):
+            results[i] = out
+        return results
 
     # ---- internals -----------------------------------------------------------------------------
-    def _encode(self, item: PromptInput) -> tuple[EncodedPrompt, str | None]:
+    def _prepare(self, item: PromptInput) -> Prepared:
         if isinstance(item, str):
-            return self.recipe.encode_raw(item), item
+            return Prepared(self.recipe.encode_raw(item), item)
         if not isinstance(item, dict):
             raise RequestError(f"a prompt must be a string or an object, got {type(item).__name__}")
         kinds = [k for k in ("prompt", "messages", "token_ids", "prompt_token_ids") if k in item]
@@ -157,20 +194,29 @@ class LLM:
             raise RequestError(
                 f"a prompt object needs exactly one of 'prompt', 'messages' or 'token_ids'; got keys {sorted(item)}"
             )
-        kind = kinds[0]
+        kind, thinking = kinds[0], bool(item.get("thinking", False))
+        constraint = from_so_args(item["so_args"]) if item.get("so_args") is not None else None
+        if constraint is not None:
+            self.grammars.compile(constraint)
+        budget = item.get("max_reasoning_tokens")
         if kind == "prompt":
             if not isinstance(item["prompt"], str):
                 raise RequestError(f"'prompt' must be a string, got {type(item['prompt']).__name__}")
-            return self.recipe.encode_raw(item["prompt"]), item["prompt"]
+            return Prepared(self.recipe.encode_raw(item["prompt"]), item["prompt"], constraint)
         if kind == "messages":
             messages = item["messages"]
             if not isinstance(messages, list) or not messages:
                 raise RequestError("'messages' must be a non-empty list of message objects")
-            return self.recipe.encode_chat(messages, thinking=bool(item.get("thinking", False))), None
+            return Prepared(self.recipe.encode_chat(messages, thinking=thinking), None, constraint, thinking, budget)
         ids = item[kind]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RequestError(f"'{kind}' must be a list of integers")
-        return EncodedPrompt(list(ids), None), None
+        return Prepared(EncodedPrompt(list(ids), None), None, constraint)
+
+    def _validate(self, index: int, ids: list[int], constraint: Constraint | None) -> None:
+        self._check_prompt(index, ids)
+        if constraint is not None:
+            self.grammars.compile(constraint)  # a bad schema or grammar fails before any decoding
 
     def _check_prompt(self, index: int, ids: list[int]) -> None:
         cfg, limit = self.config, self.engine.max_len
@@ -186,29 +232,31 @@ class LLM:
         if bad:
             raise RequestError(f"request {index}: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
 
-    def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        params = _expand_params(sampling_params, len(encoded))
+    def _run(self, prepared: list[Prepared], params: list[SamplingParams], use_tqdm: bool,
+             outputs: list[tuple[Any, str]] | None = None) -> list[RequestOutput]:
         now = time.perf_counter()
         requests = []
-        for i, ((prompt, text), p) in enumerate(zip(encoded, params)):
-            self._check_prompt(i, prompt.token_ids)
-            requests.append(
-                Request(
-                    index=i,
-                    prompt=prompt,
-                    params=p,
-                    seed=request_seed(p),
-                    output=self.recipe.output(prompt, p.stop, f"req-{i}"),
-                    prompt_text=text,
-                    arrival=now,
-                )
-            )
+        for i, (prep, p) in enumerate(zip(prepared, params)):
+            self._check_prompt(i, prep.prompt.token_ids)
+            output, custom_id = outputs[i] if outputs else (self.recipe.output(prep.prompt, p.stop, f"req-{i}"), None)
+            state = self.grammars.start(prep.constraint, prep.thinking, prep.reasoning_budget)
+            requests.append(Request(index=i, prompt=prep.prompt, params=p, seed=request_seed(p), output=output,
+                                    prompt_text=prep.text, constraint=state, custom_id=custom_id, arrival=now))
         bar = _progress_bar(use_tqdm and len(requests) > 1, "requests", total=len(requests))
-        outputs, stats = self.engine.run(requests, on_finish=None if bar is None else (lambda _: bar.update(1)))
+        results, stats = self.engine.run(requests, on_finish=None if bar is None else (lambda _: bar.update(1)))
         if bar is not None:
             bar.close()
         self.last_stats = stats
-        return outputs
+        return results
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt: EncodedPrompt
+    text: str | None
+    constraint: Constraint | None = None
+    thinking: bool = False
+    reasoning_budget: int | None = None
 
 
 def _expand_params(sampling_params, n: int) -> list[SamplingParams]:

@@ -30,6 +30,7 @@ def _process_age() -> float:
 
 
 _START = time.perf_counter() - _process_age()
+_ITEM_KEYS = ("prompt", "messages", "token_ids", "thinking", "so_args", "max_reasoning_tokens")
 _OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "stop": list}
 
 
@@ -57,8 +58,14 @@ def run() -> None:
               help="HF-format model directory [default: $DEEPINFER_HF_MODEL_DIR, else a tiny random-weight model]")
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
 @click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="JSONL: one object per line with 'prompt', 'messages' or 'token_ids', and optionally "
-                   "max_new_tokens, temperature, top_p, top_k, seed, stop, thinking.")
+              help="JSONL, either plain prompts (one object per line with 'prompt', 'messages' or 'token_ids', and "
+                   "optionally max_new_tokens, temperature, top_p, top_k, seed, stop, thinking, so_args, "
+                   "max_reasoning_tokens) or requests in an API's own shape, as OpenAI batch lines "
+                   "({\"custom_id\", \"url\": \"/v1/chat/completions\" | \"/v1/responses\" | \"/v1/messages\", "
+                   "\"body\"}), answered as OpenAI batch-output lines.")
+@click.option("--stream", is_flag=True, default=False,
+              help="For API-shaped requests: write each response's stream of chunks as it is produced "
+                   "(JSONL {custom_id, event, data}), then a [DONE] line per request, instead of whole responses.")
 @click.option("--token-ids", "token_ids", multiple=True, help="A prompt as comma-separated token ids (repeatable).")
 @click.option("--chat/--raw", default=True, show_default=True,
               help="--prompt text as a chat user message (rendered by deepseek-recipe) or as raw text.")
@@ -82,7 +89,7 @@ def run() -> None:
               help="Longest sequence (prompt + output) [default: min(model limit, 8192)].")
 @click.option("--num-blocks", type=int, default=None,
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
-def offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
+def offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
             seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
     """Generate for a batch of prompts and print or save the results."""
     try:
@@ -91,7 +98,7 @@ def offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_new
         raise click.ClickException(str(exc)) from exc
 
 
-def _offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
+def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
              seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
     from deepinfer.api import LLM
     from deepinfer.env import Env
@@ -107,11 +114,20 @@ def _offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_ne
     for spec in token_ids:
         items.append({"token_ids": _parse_ids(spec)})
         params.append(SamplingParams(**base))
+    api_lines: list[dict[str, Any]] = []
     if prompts_file:
         for item, overrides in _read_prompts_file(Path(prompts_file), thinking):
+            if overrides is None:
+                api_lines.append(item)
+                continue
             items.append(item)
             params.append(SamplingParams(**{**base, **overrides}))
-    if not items:
+    if api_lines and items:
+        raise RequestError("requests in an API's shape (lines with a 'body') cannot be mixed with plain prompts "
+                           "(--prompt, --token-ids or plain lines) in one run")
+    if stream and not api_lines:
+        raise RequestError("--stream needs requests in an API's shape (--prompts-file lines with a 'body')")
+    if not items and not api_lines:
         raise RequestError("no prompt given: use --prompt, --token-ids or --prompts-file")
 
     model_dir = model_dir or Env.read().hf_model_dir
@@ -126,14 +142,40 @@ def _offline(model_dir, prompts, prompts_file, token_ids, chat, thinking, max_ne
                f"{llm.model.dtype}), tokenizer {llm.recipe.path} ({llm.recipe.encoding_name} encoding), "
                f"backend {llm.backend.name} ({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, "
                f"max {spec.max_tokens} per sequence", err=True)
-    outputs = llm.generate(items, params, use_tqdm=len(items) > 1)
-    stream = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
+    out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
     try:
-        _write(outputs, fmt, stream)
+        if api_lines:
+            _serve(llm, api_lines, stream, out)
+            n = len(api_lines)
+        else:
+            outputs = llm.generate(items, params, use_tqdm=len(items) > 1)
+            _write(outputs, fmt, out)
+            n = len(outputs)
     finally:
-        if stream is not sys.stdout:
-            stream.close()
-    _summary(llm.last_stats, len(outputs))
+        if out is not sys.stdout:
+            out.close()
+    _summary(llm.last_stats, n)
+
+
+def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO) -> None:
+    """API-shaped requests: whole responses as OpenAI batch-output lines, or (--stream) chunks as they come."""
+    from deepinfer.api_requests import APIError
+
+    def emit(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        out.flush()
+
+    on_chunk = (lambda custom_id, chunk: emit({"custom_id": custom_id, **chunk})) if stream else None
+    results = llm.serve(lines, stream=stream, use_tqdm=len(lines) > 1 and not stream, on_chunk=on_chunk)
+    for r in results:
+        if stream:
+            if isinstance(r, APIError):
+                emit({"custom_id": r.custom_id, "status_code": r.status_code, "error": r.body})
+            emit({"custom_id": r.custom_id, "data": "[DONE]"})
+            continue
+        status, body = (r.status_code, r.body) if isinstance(r, APIError) else (200, r.response)
+        emit({"id": f"batch_req_{r.custom_id}", "custom_id": r.custom_id,
+              "response": {"status_code": status, "body": body}, "error": None})
 
 
 def _parse_ids(spec: str) -> list[int]:
@@ -154,18 +196,19 @@ def _read_prompts_file(path: Path, thinking: bool):
                 raise RequestError(f"{path}:{lineno}: not valid JSON: {exc}") from None
             if not isinstance(obj, dict):
                 raise RequestError(f"{path}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
+            if "body" in obj:  # a request in an API's own shape; checked per request by LLM.serve
+                yield obj, None
+                continue
             overrides = {}
             for key, kind in _OVERRIDES.items():
                 if key in obj and obj[key] is not None:
                     value = obj.pop(key)
                     overrides[key] = tuple(value) if kind is list and isinstance(value, list) else value
-            item = {k: v for k, v in obj.items() if k in ("prompt", "messages", "token_ids", "thinking")}
+            item = {k: v for k, v in obj.items() if k in _ITEM_KEYS}
             unknown = sorted(set(obj) - set(item))
             if unknown:
-                raise RequestError(
-                    f"{path}:{lineno}: unknown key(s) {unknown}; accepted: prompt, messages, token_ids, thinking, "
-                    + ", ".join(_OVERRIDES)
-                )
+                raise RequestError(f"{path}:{lineno}: unknown key(s) {unknown}; accepted: {', '.join(_ITEM_KEYS)}, "
+                                   f"{', '.join(_OVERRIDES)}, or an API request line with 'body'")
             if "messages" in item:
                 item.setdefault("thinking", thinking)
             yield item, overrides

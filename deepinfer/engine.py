@@ -15,6 +15,7 @@ from deepinfer.request import Request, RequestOutput
 from deepinfer.runtime.graph import DecodeGraphs
 from deepinfer.sampling import sample
 from deepinfer.scheduler import DecodeStep, PrefillStep, Scheduler, SchedulerConfig
+from deepinfer.structured import Grammars, apply_masks
 
 
 @dataclass
@@ -26,12 +27,14 @@ class RunStats:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     preemptions: int = 0
+    mask_seconds: float = 0.0  # structured-output masks (bitmask fill and application)
     first_token_time: float | None = None
 
 
 class Engine:
-    def __init__(self, model: DeepseekV4, cache: PagedCache, config: SchedulerConfig, graphs: DecodeGraphs):
-        self.model, self.cache, self.config, self.graphs = model, cache, config, graphs
+    def __init__(self, model: DeepseekV4, cache: PagedCache, config: SchedulerConfig, graphs: DecodeGraphs,
+                 grammars: Grammars | None = None):
+        self.model, self.cache, self.config, self.graphs, self.grammars = model, cache, config, graphs, grammars
         self.eos = frozenset(model.cfg.eos_token_ids)
         self.max_len = min(model.cfg.max_position_embeddings, cache.spec.max_tokens)
 
@@ -39,6 +42,7 @@ class Engine:
     def run(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None,
             ) -> tuple[list[RequestOutput], RunStats]:
         stats, scheduler = RunStats(), Scheduler(self.cache, self.config, self.max_len)
+        self.mask_seconds = 0.0
         for r in requests:
             scheduler.add(r)
         outputs: dict[int, RequestOutput] = {}
@@ -57,6 +61,7 @@ class Engine:
                     if on_finish is not None:
                         on_finish(outputs[r.index])
         stats.preemptions = scheduler.preemptions
+        stats.mask_seconds = self.mask_seconds
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs.values())
         return [outputs[r.index] for r in requests], stats
 
@@ -100,17 +105,25 @@ class Engine:
         stats.decode_tokens += len(reqs)
 
     def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        states = [r.constraint for r in reqs]
+        if any(s is not None for s in states):
+            begin = time.perf_counter()
+            apply_masks(logits, states, self.grammars, tuple(self.eos))
+            self.mask_seconds += time.perf_counter() - begin
         tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [r.num_tokens for r in reqs])
         now = time.perf_counter()
         for r, token in zip(reqs, tokens):
             r.generated.append(token)
             if r.first_token_time is None:
                 r.first_token_time = now
+            if r.constraint is not None:
+                r.constraint.accept(token, self.grammars.think_end)
             if token in self.eos and not r.params.ignore_eos:
+                r.output.push_stop_token()
                 r.finish_reason = "stop"
                 continue
             r.output.push(token)
-            if r.output.stopped:
+            if r.output.stopped or (r.constraint is not None and r.constraint.done):
                 r.finish_reason = "stop"
             elif len(r.generated) >= r.params.max_new_tokens or r.num_tokens >= self.max_len:
                 r.finish_reason = "length"
@@ -130,4 +143,7 @@ class Engine:
             time_to_first_token=(r.first_token_time or r.finish_time) - r.arrival,
             latency=r.finish_time - r.arrival,
             preemptions=r.preemptions,
+            response=parsed["response"] if r.custom_id is not None else None,
+            chunks=r.output.chunks,
+            custom_id=r.custom_id,
         )

@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from deepinfer.errors import RequestError
 
@@ -62,6 +62,18 @@ class Recipe:
         self._version = version
         self._options = dr.ConversionOptions(default_thinking_mode=False).with_model_alias(SERVED_MODEL_NAME, version)
 
+    def options(self, model_names: tuple[str, ...] = ()):
+        """Conversion options accepting the served model names (besides DeepSeek's own) for this encoding."""
+        options = self._options
+        for name in model_names:
+            options = options.with_model_alias(name, self._version)
+        return options
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of an added token spelled `text`, or None when the tokenizer has no such token."""
+        ids = self.tokenizer.encode(text)
+        return ids[0] if len(ids) == 1 else None
+
     @property
     def encoding_name(self) -> str:
         return "V4.1" if self.is_v41 else "V4"
@@ -101,9 +113,13 @@ def _error_message(body: str) -> str:
 
 
 class OutputProcessor:
-    """Decodes one request's generated tokens through deepseek-recipe's stream processor."""
+    """Decodes one request's generated tokens through deepseek-recipe's stream processor into the API's
+    response object (Chat Completions for plain prompts), keeping the stream of chunks and/or passing each
+    chunk to `sink` as it is produced when asked to."""
 
-    def __init__(self, recipe: Recipe, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str):
+    def __init__(self, recipe: Recipe, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str,
+                 api: str = "chat.completions", generator: Any = None, response: Any = None, keep_chunks: bool = False,
+                 sink: Callable[[dict[str, Any]], None] | None = None):
         dr = recipe._dr
         request = prompt.conversation
         if request is None:  # raw text / token ids: plain decoding, no thinking or tool-call parsing
@@ -112,15 +128,30 @@ class OutputProcessor:
             options = dr.ParsingOptions(parse_tool_calls=False)
         else:
             options = request.parsing_options
-        options.stop_sequences = list(stop)
-        self._dr = dr
-        generator = dr.ChatCompletionRequest.chunk_generator(request, request_id, SERVED_MODEL_NAME)
+        if stop:
+            options.stop_sequences = list(options.stop_sequences) + list(stop)
+        self._dr, self.api = dr, api
+        if generator is None:
+            generator = dr.ChatCompletionRequest.chunk_generator(request, request_id, SERVED_MODEL_NAME)
+        if response is None:
+            response = dr.ChatCompletionResponse(request_id, SERVED_MODEL_NAME, int(time.time()), len(prompt.token_ids), 0)
         self._processor = dr.StreamProcessor(generator, options, recipe.tokenizer)
-        self._response = dr.ChatCompletionResponse(request_id, SERVED_MODEL_NAME, int(time.time()), len(prompt.token_ids), 0)
+        self._response = response
+        self.chunks: list[dict[str, Any]] | None = [] if keep_chunks else None
+        self._sink = sink  # called with each chunk as soon as it is produced
         self._feed(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=len(prompt.token_ids))))
 
     def _feed(self, chunk) -> None:
-        for event in self._processor.push(chunk):
+        self._emit(self._processor.push(chunk))
+
+    def _emit(self, events) -> None:
+        for event in events:
+            if self.chunks is not None or self._sink is not None:
+                chunk = {"event": type(self._response).sse_event_name(event), "data": json.loads(event.to_json())}
+                if self.chunks is not None:
+                    self.chunks.append(chunk)
+                if self._sink is not None:
+                    self._sink(chunk)
             self._response.accumulate(event)
 
     @property
@@ -131,19 +162,47 @@ class OutputProcessor:
     def push(self, token_id: int) -> None:
         self._feed(self._dr.InferenceChunk.tokens([token_id]))
 
+    def push_stop_token(self) -> None:
+        """Count the end-of-sentence token in the usage (it is generated, but has no text)."""
+        self._feed(self._dr.InferenceChunk.text("", token_count=1))
+
     def finish(self, reason: str) -> dict[str, Any]:
-        """Close the stream ('stop' or 'length') and return the parsed assistant message and finish reason."""
+        """Close the stream ('stop' or 'length'); return the response object and its main fields."""
         dr = self._dr
         if not self._processor.finished:
             native = dr.InferenceFinishReason.Stop if reason == "stop" else dr.InferenceFinishReason.Length
             self._feed(dr.InferenceChunk.finish(native))
-            for event in self._processor.finish():
-                self._response.accumulate(event)
-        choice = json.loads(self._response.to_json())["choices"][0]
+            self._emit(self._processor.finish())
+        response = json.loads(self._response.to_json())
+        return {"response": response, **summarize(self.api, response, reason)}
+
+
+def summarize(api: str, response: dict[str, Any], reason: str) -> dict[str, Any]:
+    """text, reasoning_content, tool_calls and finish_reason out of an API response object."""
+    if api == "chat.completions":
+        choice = response["choices"][0]
         message = choice.get("message") or {}
-        return {
-            "text": message.get("content") or "",
-            "reasoning_content": message.get("reasoning_content"),
-            "tool_calls": message.get("tool_calls"),
-            "finish_reason": choice.get("finish_reason") or reason,
-        }
+        return {"text": message.get("content") or "", "reasoning_content": message.get("reasoning_content"),
+                "tool_calls": message.get("tool_calls"), "finish_reason": choice.get("finish_reason") or reason}
+    text, reasoning, calls = [], [], []
+    if api == "responses":
+        for item in response.get("output", []):
+            if item.get("type") == "message":
+                text += [c.get("text", "") for c in item.get("content", []) if c.get("type") == "output_text"]
+            elif item.get("type") == "reasoning":
+                reasoning += [c.get("text", "") for c in item.get("content", []) + item.get("summary", [])]
+            elif item.get("type") == "function_call":
+                calls.append(item)
+        finish = response.get("status", reason)
+    else:  # messages
+        for block in response.get("content", []):
+            kind = block.get("type")
+            if kind == "text":
+                text.append(block.get("text", ""))
+            elif kind == "thinking":
+                reasoning.append(block.get("thinking", ""))
+            elif kind == "tool_use":
+                calls.append(block)
+        finish = response.get("stop_reason") or reason
+    return {"text": "".join(text), "reasoning_content": "".join(reasoning) if reasoning else None,
+            "tool_calls": calls or None, "finish_reason": finish}

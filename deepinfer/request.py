@@ -22,6 +22,8 @@ class Request:
     cache: SeqCache | None = None  # its slot and blocks while it runs
     finish_reason: str | None = None
     preemptions: int = 0
+    constraint: Any = None  # structured.ConstraintState while the request is constrained
+    custom_id: str | None = None  # set for requests in an API's own shape
     arrival: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -63,6 +65,9 @@ class RequestOutput:
     time_to_first_token: float
     latency: float
     preemptions: int = 0
+    response: dict[str, Any] | None = None  # the API's response object
+    chunks: list[dict[str, Any]] | None = None  # its stream of chunks, when streaming
+    custom_id: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -93,3 +94,44 @@ def test_bad_prompts_file_line(tmp_path):
     bad.write_text('{"prompt": "a", "colour": "red"}\n')
     result = CliRunner().invoke(main, ["run", "offline", "--prompts-file", str(bad)], env={"DEEPINFER_HF_MODEL_DIR": ""})
     assert result.exit_code != 0 and "bad.jsonl:1: unknown key(s) ['colour']" in result.output
+
+
+API_LINES = [
+    {"custom_id": "chat", "url": "/v1/chat/completions",
+     "body": {"model": "deepinfer", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20,
+              "so_args": {"regex": "(hello|goodbye) world"}}},
+    {"custom_id": "resp", "url": "/v1/responses", "body": {"model": "deepinfer", "input": "Hi", "max_output_tokens": 4}},
+    {"custom_id": "msg", "url": "/v1/messages",
+     "body": {"model": "deepinfer", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}},
+    {"custom_id": "broken", "url": "/v1/messages", "body": {"model": "deepinfer", "messages": "Hi"}},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_api_shaped_prompts_file(tmp_path, stream):
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in API_LINES))
+    result = invoke(["--prompts-file", str(path), *(["--stream"] if stream else [])])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    if not stream:  # OpenAI batch-output lines, in input order
+        assert [r["custom_id"] for r in rows] == ["chat", "resp", "msg", "broken"]
+        status = [r["response"]["status_code"] for r in rows]
+        assert status == [200, 200, 200, 400]
+        assert re.fullmatch("(hello|goodbye) world", rows[0]["response"]["body"]["choices"][0]["message"]["content"])
+        assert rows[1]["response"]["body"]["object"] == "response"
+        assert rows[2]["response"]["body"]["type"] == "message"
+        assert rows[3]["response"]["body"]["error"]["message"]
+        return
+    done = [r["custom_id"] for r in rows if r.get("data") == "[DONE]"]
+    assert sorted(done) == ["broken", "chat", "msg", "resp"]
+    for cid in ("chat", "resp", "msg"):  # each stream's chunks come before its [DONE]
+        mine = [i for i, r in enumerate(rows) if r["custom_id"] == cid]
+        assert len(mine) > 3 and rows[mine[-1]]["data"] == "[DONE]"
+    assert [r.get("event") for r in rows if r["custom_id"] == "msg"][-2] == "message_stop"
+    assert [r for r in rows if r["custom_id"] == "broken"][0]["status_code"] == 400
+
+
+def test_stream_needs_api_shaped_requests():
+    result = CliRunner().invoke(main, ["run", "offline", "--prompt", "a", "--stream"], env={"DEEPINFER_HF_MODEL_DIR": ""})
+    assert result.exit_code != 0 and "--stream needs requests in an API's shape" in result.output

@@ -64,3 +64,24 @@ def test_captured_decode_equals_eager_decode(confident, cuda):
     b = eager.generate(prompts(), params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert graphed.engine.graphs._graphs and all(g.replay is not None for g in graphed.engine.graphs._graphs.values())
+
+
+def test_structured_output_on_the_gpu(confident, cuda):
+    """Masks applied to CUDA logits inside captured decode steps: every output follows its constraint."""
+    import json
+    import re
+
+    llm = deepinfer.LLM(confident, backend="nvidia", dtype="bfloat16")
+    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}
+    items = [{"token_ids": p["token_ids"], "so_args": so} for p in prompts()
+             for so in ({"regex": "(ab|ba)c{1,3}"}, {"json_schema": schema})]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=40, seed=i) for i in range(len(items))]
+    outs = llm.generate(items, params)
+    for item, out in zip(items, outs):
+        assert out.finish_reason == "stop", out.text
+        if "regex" in item["so_args"]:
+            assert re.fullmatch("(ab|ba)c{1,3}", out.text), out.text
+        else:
+            value = json.loads(out.text)
+            assert 1 <= len(value) <= 3 and set(value) <= {"a", "b"}
+    assert llm.last_stats.mask_seconds > 0
