@@ -24,6 +24,22 @@ def main() -> None:
     raw = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_new_tokens=16))[0]
     print(f"--- raw completion: {raw.text!r}")
 
+    # structured output: the reply is JSON under the schema, whatever the weights
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]},
+                                               "population_millions": {"type": "integer", "minimum": 0, "maximum": 40}},
+              "required": ["city", "population_millions"], "additionalProperties": False}
+    out = llm.chat([{"role": "user", "content": "Largest French city, as JSON."}], params,
+                   so_args={"json_schema": schema})[0]
+    print(f"--- constrained JSON: {out.text}")
+
+    # a whole Chat Completions request with a tool; the answer is the API's response object
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}}, "required": ["city"]}}}
+    response = llm.chat({"model": "deepinfer", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                         "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+                         "max_tokens": 200, "seed": 1})[0]
+    print(f"--- tool call: {response.response['choices'][0]['message']['tool_calls']}")
+
 
 if __name__ == "__main__":
     main()

@@ -15,6 +15,7 @@ from tests.helpers import TINY_A, save_model_dir
 
 pytestmark = pytest.mark.gpu
 STEPS = 40
+TOLERANCE = 0.05  # of the largest |logit|: bf16 kernels against the fp32 reference
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +33,27 @@ def prompts():
 
 
 def test_tilelang_path_gives_the_cpu_reference_greedy_tokens(confident, cuda):
+    """Greedy tokens agree until the reference itself is at a near-tie (top-2 gap within the bf16 tolerance of
+    the logits), and prefill logits agree within that tolerance."""
     params = SamplingParams(temperature=0, max_new_tokens=STEPS, ignore_eos=True)
-    cpu = deepinfer.LLM(confident, backend="cpu").generate(prompts(), params)
+    ref = deepinfer.LLM(confident, backend="cpu")
+    cpu = ref.generate(prompts(), params)
     gpu_llm = deepinfer.LLM(confident, backend="nvidia", dtype="bfloat16")
     gpu = gpu_llm.generate(prompts(), params)
-    for a, b in zip(cpu, gpu):
-        assert a.token_ids == b.token_ids and len(b.token_ids) == STEPS
+    for p, a, b in zip(prompts(), cpu, gpu):
+        assert len(b.token_ids) == STEPS
+        k = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if k is None:
+            continue
+        want = _prefill_logits(ref, torch.tensor(p["token_ids"] + a.token_ids[:k]))[-1]
+        top2 = want.topk(2).values
+        assert top2[0] - top2[1] <= TOLERANCE * want.abs().max(), f"diverged at step {k} without a near-tie"
+        assert b.token_ids[k] in want.topk(2).indices.tolist()
     # logits of one prefill, kernels in bf16 against the reference in fp32
-    ref = deepinfer.LLM(confident, backend="cpu")
     ids = torch.tensor(prompts()[0]["token_ids"])
     got = _prefill_logits(gpu_llm, ids).float().cpu()
     want = _prefill_logits(ref, ids)
-    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+    assert (got - want).abs().max().item() <= TOLERANCE * want.abs().max().item()
 
 
 def _prefill_logits(llm, ids):
