@@ -49,11 +49,32 @@ def test_tilelang_path_gives_the_cpu_reference_greedy_tokens(confident, cuda):
         top2 = want.topk(2).values
         assert top2[0] - top2[1] <= TOLERANCE * want.abs().max(), f"diverged at step {k} without a near-tie"
         assert b.token_ids[k] in want.topk(2).indices.tolist()
+    # every one of the STEPS decode steps, forced along the reference's tokens (so a near-tie cannot end the
+    # comparison early): logits within the bf16 tolerance
+    for p, a in zip(prompts(), cpu):
+        want = forced_logits(ref, p["token_ids"], a.token_ids)
+        got = forced_logits(gpu_llm, p["token_ids"], a.token_ids)
+        assert want.shape[0] == STEPS and ((got - want).abs().amax(-1) <= TOLERANCE * want.abs().amax(-1)).all()
     # logits of one prefill, kernels in bf16 against the reference in fp32
     ids = torch.tensor(prompts()[0]["token_ids"])
     got = _prefill_logits(gpu_llm, ids).float().cpu()
     want = _prefill_logits(ref, ids)
     assert (got - want).abs().max().item() <= TOLERANCE * want.abs().max().item()
+
+
+def forced_logits(llm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """fp32 logits [len(tokens), V] on the CPU: the prompt's last position, then each decode step (through the
+    engine's decode graphs) fed the given tokens instead of its own picks."""
+    seq = llm.cache.admit()
+    llm.cache.grow(seq, len(prompt) + len(tokens))
+    dev, n = llm.model.device, len(prompt)
+    rows = [llm.model.prefill(llm.cache, torch.tensor(prompt, device=dev), torch.arange(n, device=dev), [(seq, 0, n)],
+                              torch.tensor([n - 1], device=dev))[-1].float().cpu()]
+    for i, token in enumerate(tokens[:-1]):
+        rows.append(llm.engine.graphs.run([token], [n + i], [seq])[0].float().cpu())
+        seq.num_tokens += 1
+    llm.cache.release(seq)
+    return torch.stack(rows)
 
 
 def _prefill_logits(llm, ids):
