@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from backends import Target, tl
 from backends.base import BackendError, StageContext
 from codegen import cache
 from codegen.errors import CompileError, NotBuiltError
+
+log = logging.getLogger("deepinfer.codegen")
 
 
 def deepinfer_version() -> str:
@@ -126,6 +129,7 @@ class Compiler:
             meta = cache.read_meta(entry)  # another process may have built it while we waited
             if meta is not None:
                 return Artifact(entry, key, meta, cached=True)
+            log.info("compiling kernel %s for %s (not in the cache %s)", req.label, self.target.name, self.root)
             with cache.staging(entry) as tmp:
                 (tmp / "kernel.tir").write_text(func.script())
                 ctx = StageContext(func=func, out_dir=tmp, pass_configs=req.options(self.target))

@@ -19,6 +19,7 @@ from deepinfer.errors import ConfigError, RequestError
 from deepinfer.model.model import DeepseekV4
 from deepinfer.model.weights import ModelWeights, tensor_specs
 from deepinfer.runtime.graph import DecodeGraphs
+from deepinfer.prebuild import prebuild
 from deepinfer.scheduler import SchedulerConfig
 from deepinfer.structured import THINK_END, Constraint, Grammars, from_so_args
 from deepinfer.api_requests import APIError, APIRequest, convert, error_body
@@ -112,6 +113,9 @@ class LLM:
             if ckpt.mtp:
                 log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(ckpt.mtp))
         self.config = cfg
+        if self.backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
+            prebuild(self.backend.kernel_target, cfg, str(torch_dtype).removeprefix("torch."), env.cache_dir,
+                     show_progress)
         device = self.backend.device
         weights = ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()})
         self.model = DeepseekV4(cfg, weights, self.backend.ops)

@@ -92,3 +92,28 @@ def test_flash_config_yields_its_real_shapes():
     assert ("linear", linear.Variant(1024, 4096, "bfloat16", split_k=16, narrow=True)) in variants  # q_a, decode
     assert ("moe_experts", moe_experts.Variant(4096, 4096, 256, "bfloat16")) in variants  # gate_up of 256 experts
     assert ("sparse_attention", sparse_attention.Variant(64, 512, "bfloat16", splits=16)) in variants
+
+
+def test_prebuild_lists_what_the_manifest_lacks_and_builds_it(tmp_path):
+    """A kernel backend builds (with progress) only the kernels of the model that `deepinfer compile` has not."""
+    from deepinfer.kernel_plan import kernel_plan
+    from deepinfer.prebuild import missing_kernels, prebuild
+    from deepinfer.tiny import tiny_config
+
+    cfg = tiny_config()
+    plan = [it for it in kernel_plan(cfg, "float32") if it[0] in ("rms_norm", "swiglu")]
+    result = compile_cli("--target", "cpu", "--ops", "rms_norm", "--dtype", "float32", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    missing = missing_kernels("cpu", cfg, "float32", tmp_path)
+    assert [it for it in plan if it in missing] == [it for it in plan if it[0] == "swiglu"]
+    assert not any(it[0] == "rms_norm" for it in missing)
+    # build just the swiglu one through prebuild's path, then nothing of it is missing
+    import deepinfer.prebuild as pb
+
+    only_swiglu = lambda *a: [it for it in missing_kernels(*a) if it[0] == "swiglu"]  # noqa: E731
+    original, pb.missing_kernels = pb.missing_kernels, only_swiglu
+    try:
+        prebuild("cpu", cfg, "float32", tmp_path, progress=False)
+    finally:
+        pb.missing_kernels = original
+    assert not any(it[0] == "swiglu" for it in missing_kernels("cpu", cfg, "float32", tmp_path))

@@ -34,7 +34,8 @@ def prompts():
 
 def test_tilelang_path_gives_the_cpu_reference_greedy_tokens(confident, cuda):
     """Greedy tokens agree until the reference itself is at a near-tie (top-2 gap within the bf16 tolerance of
-    the logits), and prefill logits agree within that tolerance."""
+    the logits; on the H200 one prompt met a gap of 0.05 at step 12, against a bf16 logit error of up to 0.29),
+    and every decode step's logits, forced along the reference tokens, agree within that tolerance."""
     params = SamplingParams(temperature=0, max_new_tokens=STEPS, ignore_eos=True)
     ref = deepinfer.LLM(confident, backend="cpu")
     cpu = ref.generate(prompts(), params)

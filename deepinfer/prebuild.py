@@ -1,0 +1,57 @@
+"""Before a kernel backend runs a model: build, with progress, the kernels its config needs that the target's
+manifest (written by `deepinfer compile`) does not list yet; they land in the same cache, so later runs load
+them. (A kernel missing for another reason, e.g. a changed op body, is still compiled on first use, logged.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from deepinfer.config import ModelConfig
+from deepinfer.errors import ConfigError
+
+log = logging.getLogger("deepinfer")
+
+
+def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path) -> list[tuple]:
+    """The (op, kernel, variant) items `cfg` needs that the target's manifest does not list."""
+    from codegen.compiler import variant_dict
+    from codegen.driver import read_manifest
+    from deepinfer.kernel_plan import kernel_plan
+
+    def key(op: str, kernel: str, variant: dict) -> tuple[str, str, str]:
+        return op, kernel, json.dumps(variant, sort_keys=True)
+
+    listed = {key(e["op"], e["kernel"], e["variant"]) for e in read_manifest(cache_dir / target).get("entries", [])}
+    return [it for it in kernel_plan(cfg, dtype) if key(it[0], it[1], variant_dict(it[2])) not in listed]
+
+
+def prebuild(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path, progress: bool) -> None:
+    """Build the kernels `cfg` needs for `target` that the manifest lacks; a failure names its log."""
+    from codegen.driver import build_all
+    from tilekernels.kernels import request
+
+    items = missing_kernels(target, cfg, dtype, cache_dir)
+    if not items:
+        return
+    jobs = min(8, os.cpu_count() or 1)
+    log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "
+             "or build ahead with `deepinfer compile --target %s --model DIR`)", len(items), target, cache_dir, target)
+    start = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc=f"compile {target}", unit="kernel", file=sys.stderr, dynamic_ncols=True)
+    results = build_all(target, items, request, cache_dir, jobs=jobs, on_result=None if bar is None else lambda r: bar.update(1))
+    if bar is not None:
+        bar.close()
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        raise ConfigError(f"{len(failed)} kernel(s) failed to compile for {target}: "
+                          + "; ".join(f"{r.label} (log {r.path})" for r in failed))
+    log.info("deepinfer: compiled %d kernel(s) in %.1f s", len(items), time.perf_counter() - start)
