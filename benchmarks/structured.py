@@ -69,7 +69,7 @@ def mask_step_ms(schema: str, batch: int, device: str, steps: int) -> dict[str, 
         if device == "cuda":
             torch.cuda.synchronize()
         begin = time.perf_counter()
-        apply_masks(logits, states, grammars, cfg.eos_token_ids)
+        apply_masks(logits, states, grammars)
         if device == "cuda":
             torch.cuda.synchronize()
         if step >= 5:  # warm-up steps first
@@ -102,7 +102,7 @@ def decode_steps_ms(schema: str, batch: int, steps: int) -> tuple[float, float]:
                 begin = time.perf_counter()
                 logits = graphs.run(ids, pos, seqs)
                 if masked:
-                    apply_masks(logits, states, grammars, cfg.eos_token_ids)
+                    apply_masks(logits, states, grammars)
                 tokens = logits.argmax(-1).tolist()
                 if step >= 3:
                     times.append(time.perf_counter() - begin)

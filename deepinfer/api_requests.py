@@ -75,8 +75,9 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
     RequestError for a prompt the model cannot take or a constraint that does not compile."""
     if not isinstance(line, dict):
         return APIError(f"request-{index}", 400, error_body(f"a request line must be an object, got {type(line).__name__}"))
+    import deepseek_recipe as dr
+
     custom_id = str(line.get("custom_id", f"request-{index}"))
-    dr = recipe._dr
     try:
         api = api_of(line)
         body = line.get("body")

@@ -108,7 +108,7 @@ class Engine:
         states = [r.constraint for r in reqs]
         if any(s is not None for s in states):
             begin = time.perf_counter()
-            apply_masks(logits, states, self.grammars, tuple(self.eos))
+            apply_masks(logits, states, self.grammars)
             self.mask_seconds += time.perf_counter() - begin
         tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [r.num_tokens for r in reqs])
         now = time.perf_counter()

@@ -34,8 +34,8 @@ class ConstraintError(RequestError):
 
 @dataclass(frozen=True)
 class Constraint:
-    kind: str  # json_schema | json | regex | ebnf | tool_call | tool_call_required
-    spec: str  # the schema (JSON text), the regex, the grammar, or the tool list (JSON); "" = any JSON
+    kind: str  # json_schema | regex | ebnf | tool_call | tool_call_required
+    spec: str  # the schema (JSON text), the regex, the grammar, or the tool list (JSON)
     one_call: bool = False  # tool calls: at most one per answer (parallel tool calls disabled)
 
 
@@ -68,8 +68,8 @@ def from_so_args(so_args: Any) -> Constraint:
 
 def from_output_constraint(oc: Any, one_call: bool = False) -> Constraint:
     """deepseek-recipe's OutputConstraint -> Constraint (`one_call`: parallel tool calls disabled)."""
-    if oc.kind == "json":
-        return Constraint("json_schema", oc.schema) if oc.schema else Constraint("json", "")
+    if oc.kind == "json":  # JSON mode without a schema: any JSON value
+        return Constraint("json_schema", oc.schema or "{}")
     return Constraint(oc.kind, oc.schema, one_call=one_call and oc.kind.startswith("tool_call"))
 
 
@@ -120,8 +120,8 @@ class Grammars:
         import xgrammar as xgr
 
         comp = self._compiler
-        if c.kind in ("json_schema", "json"):
-            return comp.compile_grammar(json_ebnf(json.loads(c.spec) if c.spec else {}))
+        if c.kind == "json_schema":
+            return comp.compile_grammar(json_ebnf(json.loads(c.spec)))
         if c.kind == "regex":
             return comp.compile_regex(c.spec)
         if c.kind == "ebnf":
@@ -168,8 +168,7 @@ class ConstraintState:
         return not self.reasoning and self.matcher is not None and self.matcher.is_terminated()
 
 
-def apply_masks(logits: torch.Tensor, states: list[ConstraintState | None], grammars: Grammars,
-                eos_ids: tuple[int, ...]) -> None:
+def apply_masks(logits: torch.Tensor, states: list[ConstraintState | None], grammars: Grammars) -> None:
     """Mask every constrained row of `logits` [B, V] in place: grammar rows through one batch bitmask fill
     and one masked apply; reasoning rows forbid EOS (and, past their budget, allow only `</think>`)."""
     import xgrammar as xgr
@@ -180,11 +179,11 @@ def apply_masks(logits: torch.Tensor, states: list[ConstraintState | None], gram
         grammars.batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=grammars.vocab_size,
                                         indices=rows)
-    for i, s in enumerate(states):
-        if s is None or not s.reasoning:
-            continue
-        logits[i, list(eos_ids)] = float("-inf")
-        if s.budget is not None and s.reasoning_tokens >= s.budget and grammars.think_end is not None:
-            keep = logits[i, grammars.think_end].clone()
-            logits[i] = float("-inf")
-            logits[i, grammars.think_end] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+    thinking = [i for i, s in enumerate(states) if s is not None and s.reasoning]
+    if not thinking:
+        return
+    logits[torch.tensor(thinking)[:, None], torch.tensor(grammars.eos_ids)[None, :]] = float("-inf")
+    spent = [i for i in thinking if states[i].budget is not None and states[i].reasoning_tokens >= states[i].budget]
+    if spent and grammars.think_end is not None:  # only `</think>` may follow, whatever its logit was
+        logits[spent] = float("-inf")
+        logits[spent, grammars.think_end] = 0.0

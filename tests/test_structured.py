@@ -133,12 +133,12 @@ def test_batch_mask_equals_row_by_row_masks(llm):
     states[0].matcher.accept_string("ca")
     logits = torch.randn(len(specs), llm.config.vocab_size)
     masked = logits.clone()
-    apply_masks(masked, states, g, llm.config.eos_token_ids)
+    apply_masks(masked, states, g)
     assert torch.equal(masked[1], logits[1])
     for i in (0, 2, 3):
         allowed = torch.isfinite(masked[i])
         single = logits[i:i + 1].clone()
-        apply_masks(single, [states[i]], g, llm.config.eos_token_ids)
+        apply_masks(single, [states[i]], g)
         assert torch.equal(allowed, torch.isfinite(single[0])) and 0 < int(allowed.sum()) < llm.config.vocab_size
 
 
