@@ -45,6 +45,9 @@ def build_one(target_name: str, cache_dir: str, make_request: Callable[..., Requ
     except CompileError as exc:
         return Result(op, kernel, variant_dict(variant), "failed", str(exc.log), time.perf_counter() - start,
                       {"error": str(exc)})
+    except ValueError as exc:  # the body refused the variant (a shape its tiles cannot cover): nothing was built
+        return Result(op, kernel, variant_dict(variant), "failed", f"(no log: {exc})", time.perf_counter() - start,
+                      {"error": str(exc)})
     return Result(op, kernel, variant_dict(variant), "cached" if art.cached else "built", str(art.path),
                   time.perf_counter() - start, art.meta.get("notes", {}), art.key, art.meta.get("stages"))
 

@@ -97,6 +97,15 @@ class OpTable:
         return sorted(self._impls)
 
 
+def tiles(total: int, tile: int, op: str, what: str) -> tuple[int, int]:
+    """(block, count) covering `total` with blocks of min(tile, total); ShapeError when they do not divide it.
+    Bodies call it with the tile of the config they are built with, so the check is the target's own."""
+    block = min(tile, total)
+    require(block > 0 and total % block == 0, op, f"{what}={total} must be a multiple of the tile {block} (or at "
+            f"most {tile}) for this target")
+    return block, total // block
+
+
 def require(ok: bool, op: str, message: str) -> None:
     """Raise ShapeError('<op>: <message>') when a kernel cannot take its inputs."""
     if not ok:

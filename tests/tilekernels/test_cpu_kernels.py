@@ -107,3 +107,18 @@ def test_tiny_model_through_kernels_equals_reference_path(cache):
         return torch.cat(out)
 
     assert (logits(kernel_table("cpu", cache)) - logits(reference_table())).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("case, message", [
+    (lambda: ("linear", torch.randn(3, 48), torch.randn(40, 48)), "N=40 must be a multiple of the tile 16"),
+    (lambda: ("hc_post", torch.randn(2, 4, 100), torch.randn(2, 100), torch.rand(2, 4), torch.rand(2, 4, 4)),
+     "H=100 must be a multiple of the tile 64"),
+])
+def test_a_shape_the_target_tiles_cannot_cover_is_refused(case, message, ops):
+    """The tile check uses the config the kernel is built with (the `c` target's 16-wide GEMM tiles, 64-wide
+    chunks), not a default: such shapes used to run and return wrong values."""
+    from tilekernels.errors import ShapeError
+
+    name, *args = case()
+    with pytest.raises(ShapeError, match=message):
+        getattr(ops, name)(*args)

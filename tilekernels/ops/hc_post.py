@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
 
 
 def reference(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -30,8 +30,7 @@ class Config:
 def body(P, v: Variant, cfg: Config):
     T = P.T
     N, H, dtype = v.hc, v.hidden, v.dtype
-    BH = min(cfg.chunk, H)
-    NB = H // BH
+    BH, NB = tiles(H, cfg.chunk, "hc_post", "H")
     M = T.dynamic("M")
 
     def mixed(post, comb, o, s, n, j):
@@ -74,7 +73,6 @@ def run(launch, streams, out, post, comb):
     v = Variant(hc=n, hidden=h, dtype=dtypes.name(streams.dtype))
     require(out.shape == (m, h) and post.shape == (m, n) and comb.shape == (m, n, n), "hc_post",
             f"out/post/comb must be [{m}, {h}]/[{m}, {n}]/[{m}, {n}, {n}]")
-    require(h % min(Config().chunk, h) == 0, "hc_post", f"H={h} must be a multiple of {Config().chunk} (or below it)")
     y = torch.empty(m, n * h, dtype=streams.dtype, device=streams.device)
     launch("hc_post", v)(streams.reshape(m, n * h).contiguous(), out.contiguous(), post.float().contiguous(),
                          comb.reshape(m, n * n).float().contiguous(), y)

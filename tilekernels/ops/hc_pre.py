@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
 
 
 def reference(
@@ -56,9 +56,8 @@ def body(P, v: Variant, cfg: Config):
     T = P.T
     N, H, dtype = v.hc, v.hidden, v.dtype
     KN, MIX = N * H, (2 + N) * N
-    BC = min(cfg.chunk, KN)
-    NC = KN // BC
-    BH = min(cfg.chunk, H)
+    BC, NC = tiles(KN, cfg.chunk, "hc_pre", "N*H")
+    BH, _ = tiles(H, cfg.chunk, "hc_pre", "H")
     M = T.dynamic("M")
 
     def row_max(mix, scale, base, i):
@@ -171,8 +170,6 @@ def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     mix = (2 + n) * n
     require(fn.shape == (mix, n * h) and base.shape == (mix,) and scale.shape == (3,), "hc_pre",
             f"fn/base/scale must be [{mix}, {n * h}]/[{mix}]/[3], got {list(fn.shape)}/{list(base.shape)}/{list(scale.shape)}")
-    require((n * h) % min(Config().chunk, n * h) == 0 and h % min(Config().chunk, h) == 0, "hc_pre",
-            f"N*H={n * h} and H={h} must be multiples of {Config().chunk} (or below it)")
     post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
     out = torch.empty(m, h, dtype=streams.dtype, device=streams.device)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,9 +42,10 @@ def body(P, v: Variant, cfg: Config):
     T = P.T
     N, K, G, SK, dtype = v.n, v.k, v.groups, v.split_k, v.dtype
     BM = min(cfg.block_m, 64) if v.narrow else cfg.block_m
-    BN = min(cfg.block_n, 64 if v.narrow else cfg.block_n, N)
-    BK = min(cfg.block_k, K)
-    NT, KT = N // BN, K // BK // SK
+    BN, NT = tiles(N, min(cfg.block_n, 64) if v.narrow else cfg.block_n, "linear", "N")
+    BK, KB = tiles(K, cfg.block_k, "linear", "K")
+    require(KB % SK == 0, "linear", f"K={K} in {KB} tiles of {BK} cannot be split {SK} ways")
+    KT = KB // SK
     M = T.dynamic("M")
     out_shape, out_dtype = ((SK, M, G * N), "float32") if SK > 1 else ((M, G * N), dtype)
 
@@ -81,12 +82,6 @@ KERNEL = Kernel("gemm", body, configs={
 })
 
 
-def check_blocks(op: str, v: Variant) -> None:
-    cfg = Config()
-    require(v.n % min(cfg.block_n, v.n) == 0 and v.k % min(cfg.block_k, v.k) == 0, op,
-            f"N={v.n} and K={v.k} must be multiples of the tile ({cfg.block_n}, {cfg.block_k}) or below it")
-
-
 TARGET_PROGRAMS = 256  # split K until about this many programs run (small GEMMs stream the weight)
 ROW_BUCKETS = (64, 511)  # decode-sized (narrow tiles) | medium (split K) | large (plain)
 
@@ -110,7 +105,6 @@ def launch_gemm(launch, a: torch.Tensor, weight: torch.Tensor, n: int, k: int, g
     rows = a.shape[0]
     narrow, split = plan(rows, n, k, groups)
     v = Variant(n=n, k=k, dtype=dtypes.name(a.dtype), groups=groups, split_k=split, narrow=narrow)
-    check_blocks("linear", v)
     if split == 1:
         y = torch.empty(rows, groups * n, dtype=a.dtype, device=a.device)
         launch("gemm", v)(a, weight, y)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
 from tilekernels.ops import swiglu
 
 
@@ -64,8 +64,8 @@ class Config:
 def body(P, v: Variant, cfg: Config):
     T = P.T
     N, K, E, BM, dtype = v.n, v.k, v.experts, v.block_m, v.dtype
-    BN, BK = min(cfg.block_n, N), min(cfg.block_k, K)
-    NT, KT = N // BN, K // BK
+    BN, NT = tiles(N, cfg.block_n, "moe_experts", "N")
+    BK, KT = tiles(K, cfg.block_k, "moe_experts", "K")
     MT = T.dynamic("MT")  # M tiles (padded rows / BM)
 
     @T.prim_func

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
 
 
 def reference(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -31,8 +31,7 @@ class Config:
 def body(P, v: Variant, cfg: Config):
     T = P.T
     I, dtype = v.inter, v.dtype
-    B = min(cfg.block, I)
-    NB = I // B
+    B, NB = tiles(I, cfg.block, "swiglu", "I")
     M = T.dynamic("M")
 
     @T.prim_func
@@ -63,7 +62,6 @@ def run(launch, gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     v = Variant(inter=inter, dtype=dtypes.name(gate_up.dtype))
     require(gate_up.shape[-1] % 2 == 0 and gate_up.is_contiguous(), "swiglu",
             f"gate_up must be contiguous with an even last dim, got {list(gate_up.shape)}")
-    require(inter % min(Config().block, inter) == 0, "swiglu", f"I={inter} must be a multiple of {Config().block} or below it")
     rows = gate_up.reshape(-1, 2 * inter)
     y = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     launch("swiglu", v)(rows, y, float(limit))
