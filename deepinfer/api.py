@@ -22,7 +22,7 @@ from deepinfer.runtime.graph import DecodeGraphs
 from deepinfer.prebuild import prebuild
 from deepinfer.scheduler import SchedulerConfig
 from deepinfer.structured import THINK_END, Constraint, Grammars, from_so_args
-from deepinfer.api_requests import APIError, APIRequest, convert, error_body
+from deepinfer.api_requests import APIError, APIRequest, convert
 from deepinfer.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
 from deepinfer.request import Request, RequestOutput
 from deepinfer.sampling import SamplingParams, request_seed
@@ -60,7 +60,12 @@ def cache_spec(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_s
             per_block, per_slot = block_bytes(cfg, block_tokens, dtype)
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
-            num_blocks = max(1, min(num_blocks, budget // max(per_block, 1)))
+            if budget < per_block:
+                raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
+                                  f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
+                                  f"{per_slot / 2**20:.0f} MiB, 2 GiB for activations; lower --max-num-seqs or set "
+                                  f"--num-blocks")
+            num_blocks = min(num_blocks, budget // per_block)
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
     return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens)
@@ -176,7 +181,7 @@ class LLM:
         runnable: list[tuple[int, APIRequest, Prepared]] = []
         for i, line in enumerate(lines):
             converted = convert(self.recipe, line, i, self.engine.max_len, stream, self.served_names,
-                                lambda ids, c, i=i: self._validate(i, ids, c), on_chunk)
+                                lambda ids, n, c, i=i: self._validate(i, ids, n, c), on_chunk)
             if isinstance(converted, APIRequest):
                 runnable.append((i, converted, Prepared(converted.prompt, None, converted.constraint,
                                                         converted.thinking, converted.reasoning_budget)))
@@ -217,8 +222,9 @@ class LLM:
             raise RequestError(f"'{kind}' must be a list of integers")
         return Prepared(EncodedPrompt(list(ids), None), None, constraint)
 
-    def _validate(self, index: int, ids: list[int], constraint: Constraint | None) -> None:
+    def _validate(self, index: int, ids: list[int], max_new_tokens: int, constraint: Constraint | None) -> None:
         self._check_prompt(index, ids)
+        self.cache.check_fits(min(len(ids) + max_new_tokens, self.engine.max_len), f"request {index}")
         if constraint is not None:
             self.grammars.compile(constraint)  # a bad schema or grammar fails before any decoding
 

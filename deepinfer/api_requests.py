@@ -68,11 +68,12 @@ def api_of(line: dict[str, Any]) -> str:
 
 
 def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int, stream: bool,
-            model_names: tuple[str, ...], validate: Callable[[list[int], Constraint | None], None],
+            model_names: tuple[str, ...], validate: Callable[[list[int], int, Constraint | None], None],
             on_chunk: Callable[[str, dict[str, Any]], None] | None = None) -> APIRequest | APIError:
     """One batch line -> a runnable request, or the API's error body for it. With `stream` the chunks are kept
-    (and passed to `on_chunk(custom_id, chunk)` as they are produced). `validate(ids, constraint)` raises
-    RequestError for a prompt the model cannot take or a constraint that does not compile."""
+    (and passed to `on_chunk(custom_id, chunk)` as they are produced). `validate(ids, max_new_tokens,
+    constraint)` raises RequestError for a request the model or cache cannot take or a constraint that does not
+    compile."""
     if not isinstance(line, dict):
         return APIError(f"request-{index}", 400, error_body(f"a request line must be an object, got {type(line).__name__}"))
     import deepseek_recipe as dr
@@ -99,8 +100,8 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
         inference = request.inference_options
         if constraint is None and inference.output_constraint is not None:
             constraint = from_output_constraint(inference.output_constraint, one_call=not _parallel_calls(api, body))
-        validate(ids, constraint)
         max_tokens = request.resolve_max_tokens(len(ids), context_limit)
+        validate(ids, max_tokens, constraint)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=inference.temperature or 0.0,
                                 top_p=inference.top_p or 1.0, seed=inference.seed)
     except dr.ConversionError as exc:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.config import CSA, HCA, ModelConfig
-from deepinfer.errors import RequestError
+from deepinfer.config import CSA, ModelConfig
+from deepinfer.errors import ConfigError, RequestError
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,9 @@ def block_bytes(cfg: ModelConfig, block_tokens: int, dtype: torch.dtype) -> tupl
 
 class PagedCache:
     def __init__(self, cfg: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str):
-        for kind in set(cfg.layer_types) - {"sliding_attention"}:
-            rate = cfg.compress_rate_csa if kind == CSA else cfg.compress_rate_hca
+        for rate in {cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}:
             if spec.block_tokens % rate:
-                raise RequestError(f"block_tokens={spec.block_tokens} must be a multiple of the compression rate {rate}")
+                raise ConfigError(f"block_tokens={spec.block_tokens} must be a multiple of the compression rate {rate}")
         self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, torch.device(device)
         slots, blocks, w, d = spec.max_seqs + 1, spec.num_blocks + 1, cfg.sliding_window, cfg.head_dim
         self.layers: list[LayerCache] = []

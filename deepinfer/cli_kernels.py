@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -36,14 +35,11 @@ def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype) -> None:
 
 
 def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
-    from tqdm import tqdm
-
-    from codegen.driver import build_all
     from deepinfer.config import ModelConfig
     from deepinfer.errors import ConfigError
     from deepinfer.kernel_plan import kernel_plan
+    from deepinfer.prebuild import build_kernels
     from deepinfer.tiny import tiny_config
-    from tilekernels.kernels import request
 
     cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
     dtype = ("float32" if target == "cpu" else "bfloat16") if dtype == "auto" else dtype
@@ -59,9 +55,7 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
     click.echo(f"deepinfer compile: {len(items)} kernel(s) for {target} ({model_dir or 'tiny default model'}, "
                f"{dtype}) into {out_dir}, {jobs} job(s)", err=True)
     start = time.perf_counter()
-    bar = tqdm(total=len(items), desc=f"compile {target}", unit="kernel", file=sys.stderr, dynamic_ncols=True)
-    results = build_all(target, items, request, out_dir, jobs=jobs, on_result=lambda r: bar.update(1))
-    bar.close()
+    results = build_kernels(target, items, out_dir, jobs)
     counts = {s: sum(r.status == s for r in results) for s in ("built", "cached", "failed")}
     for r in results:
         if r.status == "failed":

@@ -42,26 +42,28 @@ class Engine:
     def run(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None,
             ) -> tuple[list[RequestOutput], RunStats]:
         stats, scheduler = RunStats(), Scheduler(self.cache, self.config, self.max_len)
-        self.mask_seconds = 0.0
         for r in requests:
             scheduler.add(r)
         outputs: dict[int, RequestOutput] = {}
-        while scheduler.has_work():
-            step = scheduler.next_step()
-            if isinstance(step, PrefillStep):
-                self._prefill(step, stats)
-                active = [r for r, _ in step.chunks]
-            else:
-                self._decode(step, stats)
-                active = list(step.requests)
-            for r in active:
-                if r.finish_reason is not None and r in scheduler.running:
-                    scheduler.finish(r)
-                    outputs[r.index] = self._output(r)
-                    if on_finish is not None:
-                        on_finish(outputs[r.index])
+        try:
+            while scheduler.has_work():
+                step = scheduler.next_step()
+                if isinstance(step, PrefillStep):
+                    self._prefill(step, stats)
+                    active = [r for r, _ in step.chunks]
+                else:
+                    self._decode(step, stats)
+                    active = list(step.requests)
+                for r in active:
+                    if r.finish_reason is not None and r in scheduler.running:
+                        scheduler.finish(r)
+                        outputs[r.index] = self._output(r)
+                        if on_finish is not None:
+                            on_finish(outputs[r.index])
+        finally:  # an error mid-run must not leave slots and blocks taken in the cache the LLM keeps
+            for r in list(scheduler.running):
+                scheduler.finish(r)
         stats.preemptions = scheduler.preemptions
-        stats.mask_seconds = self.mask_seconds
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs.values())
         return [outputs[r.index] for r in requests], stats
 
@@ -74,7 +76,7 @@ class Engine:
             positions.extend(range(start, start + take))
             seqs.append((r.cache, offset, take))
             offset += take
-            if start + take == len(r.prefill_ids) and not r.generated:  # the prompt is in: sample token 1
+            if start + take == r.num_prefill and not r.generated:  # the prompt is in: sample token 1
                 logit_rows.append(offset - 1)
                 sampling.append(r)
         begin = time.perf_counter()
@@ -84,7 +86,7 @@ class Engine:
             torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
         if sampling:
-            self._sample_and_append(sampling, logits)
+            self._sample_and_append(sampling, logits, stats)
         stats.prefill_seconds += time.perf_counter() - begin
         stats.prompt_tokens += len(ids)
         if sampling and stats.first_token_time is None:
@@ -99,17 +101,17 @@ class Engine:
                                  [r.cache for r in reqs])
         for r in reqs:
             r.cache.num_tokens += 1
-        self._sample_and_append(reqs, logits)
+        self._sample_and_append(reqs, logits, stats)
         stats.decode_seconds += time.perf_counter() - begin
         stats.decode_steps += 1
         stats.decode_tokens += len(reqs)
 
-    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats) -> None:
         states = [r.constraint for r in reqs]
         if any(s is not None for s in states):
             begin = time.perf_counter()
             apply_masks(logits, states, self.grammars)
-            self.mask_seconds += time.perf_counter() - begin
+            stats.mask_seconds += time.perf_counter() - begin
         tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [r.num_tokens for r in reqs])
         now = time.perf_counter()
         for r, token in zip(reqs, tokens):

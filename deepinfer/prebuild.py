@@ -30,27 +30,34 @@ def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path) 
     return [it for it in kernel_plan(cfg, dtype) if key(it[0], it[1], variant_dict(it[2])) not in listed]
 
 
-def prebuild(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path, progress: bool) -> None:
-    """Build the kernels `cfg` needs for `target` that the manifest lacks; a failure names its log."""
+def build_kernels(target: str, items: list[tuple], cache_dir: Path, jobs: int | None = None,
+                  progress: bool = True) -> list:
+    """Build `items` in parallel (default min(8, cores) jobs) with a progress bar on stderr; the results."""
     from codegen.driver import build_all
     from tilekernels.kernels import request
 
-    items = missing_kernels(target, cfg, dtype, cache_dir)
-    if not items:
-        return
-    jobs = min(8, os.cpu_count() or 1)
-    log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "
-             "or build ahead with `deepinfer compile --target %s --model DIR`)", len(items), target, cache_dir, target)
-    start = time.perf_counter()
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(items), desc=f"compile {target}", unit="kernel", file=sys.stderr, dynamic_ncols=True)
-    results = build_all(target, items, request, cache_dir, jobs=jobs, on_result=None if bar is None else lambda r: bar.update(1))
-    if bar is not None:
-        bar.close()
-    failed = [r for r in results if r.status == "failed"]
+    try:
+        return build_all(target, items, request, cache_dir, jobs=jobs or min(8, os.cpu_count() or 1),
+                         on_result=None if bar is None else lambda r: bar.update(1))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def prebuild(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path, progress: bool) -> None:
+    """Build the kernels `cfg` needs for `target` that the manifest lacks; a failure names its log."""
+    items = missing_kernels(target, cfg, dtype, cache_dir)
+    if not items:
+        return
+    log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "
+             "or build ahead with `deepinfer compile --target %s --model DIR`)", len(items), target, cache_dir, target)
+    start = time.perf_counter()
+    failed = [r for r in build_kernels(target, items, cache_dir, progress=progress) if r.status == "failed"]
     if failed:
         raise ConfigError(f"{len(failed)} kernel(s) failed to compile for {target}: "
                           + "; ".join(f"{r.label} (log {r.path})" for r in failed))

@@ -10,7 +10,7 @@ from deepinfer.recipe import EncodedPrompt, OutputProcessor
 from deepinfer.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler's list lookups stay cheap
 class Request:
     index: int
     prompt: EncodedPrompt
@@ -44,12 +44,17 @@ class Request:
         return self.prompt.token_ids + self.generated[:-1]
 
     @property
+    def num_prefill(self) -> int:
+        """len(prefill_ids), without building the list."""
+        return len(self.prompt.token_ids) + max(len(self.generated) - 1, 0)
+
+    @property
     def cached(self) -> int:
         return 0 if self.cache is None else self.cache.num_tokens
 
     @property
     def in_prefill(self) -> bool:
-        return self.cached < len(self.prefill_ids)
+        return self.cached < self.num_prefill
 
 
 @dataclass(frozen=True)

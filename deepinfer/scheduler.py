@@ -77,6 +77,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
+            # admit only what can prefill in full (or anything, when nothing runs: `add` checked it fits);
+            # else it would take blocks, stall and be preempted again at once
+            need = self.cache.blocks_for(self.waiting[0].num_prefill + 1)
+            if self.running and need > self.cache.free_blocks:
+                return
             seq = self.cache.admit()
             if seq is None:
                 return
@@ -89,7 +94,7 @@ class Scheduler:
         for r in [r for r in self.running if r.in_prefill]:
             if budget == 0:
                 break
-            take = min(len(r.prefill_ids) - r.cached, budget)
+            take = min(r.num_prefill - r.cached, budget)
             room = (len(r.cache.blocks) + self.cache.free_blocks) * self.cache.spec.block_tokens - r.cached
             take = min(take, room)
             if take <= 0:
@@ -106,9 +111,10 @@ class Scheduler:
         return None
 
     def preempt(self, req: Request) -> None:
+        lost = req.cached > 0  # work to recompute (a request evicted before any prefill loses nothing)
         self.cache.release(req.cache)
         req.cache = None
-        req.preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
-        self.preemptions += 1
+        req.preemptions += lost
+        self.preemptions += lost

@@ -117,8 +117,6 @@ class Grammars:
             return grammar
 
     def _compile(self, c: Constraint) -> Any:
-        import xgrammar as xgr
-
         comp = self._compiler
         if c.kind == "json_schema":
             return comp.compile_grammar(json_ebnf(json.loads(c.spec)))

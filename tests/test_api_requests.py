@@ -230,3 +230,12 @@ def test_tool_call_grammar_accepts_exactly_the_recipe_rendering(llm, required, v
     assert accepts(call_text)
     param_end = "</｜DSML｜ parameter>" if v41 else "</｜DSML｜parameter>"
     assert not accepts(call_text.replace(param_end + "\n<", param_end + "<"))
+
+
+def test_a_request_the_cache_can_never_hold_fails_alone():
+    small = deepinfer.LLM(num_blocks=2, max_num_seqs=2)  # 256 positions in all
+    too_long, fine = small.serve([chat({"messages": USER, "max_tokens": 400}, cid="long"),
+                                  chat({"messages": USER, "max_tokens": 3, "seed": 0}, cid="fine")], use_tqdm=False)
+    assert isinstance(too_long, APIError) and "more than this cache can ever hold" in too_long.body["error"]["message"]
+    assert fine.response["choices"][0]["finish_reason"] == "length"
+    assert small.cache.used_blocks == 0

@@ -42,6 +42,8 @@ def test_preemption_under_a_tiny_page_budget_loses_nothing(saved):
     assert [o.token_ids for o in outs] == alone
     assert all(o.finish_reason == "length" and o.num_generated_tokens == 40 for o in outs)
     assert sum(o.preemptions for o in outs) == tight.last_stats.preemptions
+    # no admit-then-evict churn: a request is admitted only when its prefill fits, so little is recomputed
+    assert tight.last_stats.prompt_tokens < 2 * sum(len(r["token_ids"]) for r in reqs)
     assert_cache_empty(tight)
 
 

@@ -14,7 +14,7 @@ import torch
 import deepinfer
 from deepinfer.errors import RequestError
 from deepinfer.sampling import SamplingParams
-from deepinfer.structured import ConstraintState, apply_masks, from_so_args
+from deepinfer.structured import apply_masks, from_so_args
 
 # Schemas whose every value is bounded, so random weights finish them well inside max_new_tokens.
 SCHEMAS = [

@@ -1,5 +1,5 @@
-"""Decode steps through preplanned static buffers: one graph per batch-size bucket, captured once (largest
-first, into one shared memory pool) where the backend can capture, and run eagerly where it cannot (CPU).
+"""Decode steps through preplanned static buffers: one graph per batch-size bucket, captured the first time a
+step of that bucket runs where the backend can capture, and run eagerly where it cannot (CPU).
 Inputs are padded to the bucket with rows that read and write only the cache's scratch slot and blocks."""
 
 from __future__ import annotations
@@ -49,11 +49,6 @@ class DecodeGraphs:
                 bucket.logits, bucket.replay = self.capture(lambda: self.model.decode(self.cache, inputs))
             self._graphs[size] = bucket
         return self._graphs[size]
-
-    def capture_all(self) -> None:
-        """Capture every bucket now, largest first (so smaller graphs reuse the largest's memory)."""
-        for size in sorted(self.buckets, reverse=True):
-            self._static(size)
 
     def run(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
         """fp32 logits [n, V] of one decode step for n sequences."""
