@@ -46,11 +46,13 @@ class StageContext:
 
 @dataclass(frozen=True)
 class Stage:
-    """One named lowering step; `run` writes its output under ctx.out_dir and returns the file (or None
-    with a note in ctx.notes when the step cannot run here, e.g. a missing toolchain)."""
+    """One named build step; `run` writes its outputs under ctx.out_dir and returns them by name (an output it
+    cannot make here, e.g. for a missing toolchain, is left out, with a note in ctx.notes). `outputs` names what
+    it can produce; the first stage is the one lowering of the kernel, the later ones compile its outputs."""
 
     name: str
-    run: Callable[[StageContext], Path | None]
+    run: Callable[[StageContext], dict[str, Path]]
+    outputs: tuple[str, ...] = ()
 
 
 class Runtime(Protocol):
@@ -59,15 +61,29 @@ class Runtime(Protocol):
 
 @dataclass(frozen=True)
 class Target:
-    name: str  # the name users type: sm90, sm100, ascend, cpu
+    """A target as data: everything the runtime and the compile path ask about it, so that nothing above this
+    layer branches on a target's name. `stages` is empty for the PyTorch reference pseudo-target."""
+
+    name: str  # the name users type: sm90, sm100, ascend, c, reference
     description: str
-    tvm_target: Any  # dict or str accepted by tilelang / tvm
-    traits: Traits
-    stages: tuple[Stage, ...]
-    pass_configs: dict[str, Any]
-    toolchain: Callable[[], dict[str, str]]  # tool name -> version string ("" when absent)
-    runtime: Runtime
+    family: str  # nvidia | ascend | cpu: what the `--backend` aliases group (nvidia = detect the SM)
     device_type: str  # torch device type the runtime runs on: cuda | npu | cpu
+    default_dtype: str  # the activation dtype `--dtype auto` means on this target
+    present: Callable[[], bool]  # is this target's device visible here (compute capability, NPU, ...)
+    tvm_target: Any = None  # dict or str accepted by tilelang / tvm (None: no kernels)
+    traits: Traits | None = None
+    stages: tuple[Stage, ...] = ()
+    pass_configs: dict[str, Any] = field(default_factory=dict)
+    toolchain: Callable[[], dict[str, str]] = dict  # tool name -> version string ("" when absent)
+    runtime: Runtime | None = None
+    graphs: Callable[[], Callable[..., Any]] | None = None  # graph-capture factory (None: decode runs eagerly)
+    memory: Callable[[Any], tuple[int, int]] | None = None  # (free, total) bytes of a device (None: unknown)
+    needs: str = ""  # what must be installed / present to run on it (for errors)
+
+    @property
+    def kernels(self) -> bool:
+        """Whether this target runs compiled TileLang kernels (False: the PyTorch reference ops)."""
+        return bool(self.stages)
 
 
 def run_tool(cmd: list[str], log: Path, what: str, timeout: int = 600) -> None:

@@ -79,41 +79,55 @@ def check_warnings(text: str) -> None:
         raise RuntimeError("TileLang reports a buffer read before it is written (an op was dropped?):\n" + text.strip())
 
 
-def lower_source(func: Any, tvm_target: Any, pass_configs: dict[str, Any], cpu: bool = False) -> str:
-    """Device source (CUDA, AscendC or C) of one PrimFunc; TileLang's warnings that flag wrong code raise."""
+def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, source_name: str,
+          library: bool, execution_backend: str = "tvm_ffi", cpu: bool = False) -> dict[str, Path]:
+    """The one lowering of a kernel, and everything made from that one result: its device source (CUDA, AscendC
+    or C) as `source_name`, and with `library` its host glue + loadable library under lib/ (TileLang compiles the
+    device code of the same lowering with the target's toolchain). TileLang's warnings that flag wrong code raise.
+    Returns {"source": path} or {"source": path, "lib": path}."""
     tl = tilelang()
     from tilelang.transform import PassContext
     from tvm.target import Target
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     target_name = tvm_target if isinstance(tvm_target, str) else None
     with captured_stderr() as err:
         with semantic_check_disabled(cpu), PassContext(config=pass_configs), Target(tvm_target):
-            artifact = tl.lower(func, target=target_name or tvm_target)
+            if library:
+                kernel = tl.compile(func, target=tvm_target, execution_backend=execution_backend,
+                                    pass_configs=pass_configs)
+            else:
+                artifact = tl.lower(func, target=target_name or tvm_target)
     check_warnings(err[0])
-    return artifact.kernel_source
-
-
-def build_library(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, cpu: bool = False) -> Path:
-    """Compile host glue + device code into a loadable library: TileLang's tvm_ffi execution backend on
-    devices, its cython backend for the CPU `c` target (the only one it offers there)."""
-    tl = tilelang()
-    from tilelang.engine.param import dump_kernel_params
-    from tvm.target import Target
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    backend = "cython" if cpu else "tvm_ffi"
-    with semantic_check_disabled(cpu), Target(tvm_target):
-        kernel = tl.compile(func, target=tvm_target, execution_backend=backend, pass_configs=pass_configs)
-    if backend == "tvm_ffi":
-        kernel.export_library(str(out_dir / LIB_FILE))
+    source = out_dir / source_name
+    if not library:
+        source.write_text(artifact.kernel_source)
+        return {"source": source}
+    source.write_text(kernel.artifact.kernel_source)
+    lib_dir = out_dir / "lib"
+    lib_dir.mkdir()
+    if execution_backend == "tvm_ffi":
+        kernel.export_library(str(lib_dir / LIB_FILE))
         host = kernel.get_host_source()
     else:
-        shutil.copyfile(kernel.adapter.libpath, out_dir / LIB_FILE)
+        shutil.copyfile(kernel.adapter.libpath, lib_dir / LIB_FILE)
         host = kernel.adapter.get_kernel_source()
-    (out_dir / PARAMS_FILE).write_text(dump_kernel_params(kernel.params))
-    (out_dir / HOST_FILE).write_text(host)
-    (out_dir / BACKEND_FILE).write_text(backend)
-    return out_dir / LIB_FILE
+    from tilelang.engine.param import dump_kernel_params
+
+    (lib_dir / PARAMS_FILE).write_text(dump_kernel_params(kernel.params))
+    (lib_dir / HOST_FILE).write_text(host)
+    (lib_dir / BACKEND_FILE).write_text(execution_backend)
+    return {"source": source, "lib": lib_dir / LIB_FILE}
+
+
+def lower_source(func: Any, target: Any) -> str:
+    """Device source of one PrimFunc for `target` (a `backends.Target`), without building anything: for quick
+    checks by kernel authors and tests (builds go through `lower`, once per kernel)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return lower(func, target.tvm_target, target.pass_configs, Path(tmp), "kernel", library=False,
+                     cpu=target.tvm_target == "c")["source"].read_text()
 
 
 def load_library(lib_dir: Path, device_source: Path, func: Any, tvm_target: Any, pass_configs: dict[str, Any]) -> Any:

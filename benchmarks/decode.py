@@ -69,7 +69,7 @@ def copy_bandwidth() -> float:
 
 
 def synthetic_cache(cfg, batch: int, context: int, dtype):
-    from deepinfer.cache import CacheSpec, PagedCache
+    from deepinfer.runtime.cache import CacheSpec, PagedCache
 
     per_seq = context // 128 + 2
     cache = PagedCache(cfg, CacheSpec(num_blocks=batch * per_seq, max_seqs=batch, max_blocks_per_seq=per_seq), dtype, "cuda")
@@ -128,7 +128,7 @@ def main() -> None:
             del cache, graphs
             torch.cuda.empty_cache()
     for n in (4096, 16384):
-        from deepinfer.cache import CacheSpec, PagedCache
+        from deepinfer.runtime.cache import CacheSpec, PagedCache
 
         ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
         cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),

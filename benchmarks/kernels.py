@@ -22,7 +22,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BF16 = torch.bfloat16
 H, E, K, I, NH, D = 4096, 256, 6, 2048, 64, 512
 
 
@@ -68,50 +67,50 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
-def cases(t: int, weights: dict) -> dict:
-    """name -> (args, bytes, flops) at V4-Flash shapes for t tokens."""
-    dev = "cuda"
-    r = lambda *s, dtype=BF16, scale=1.0: torch.randn(*s, device=dev, dtype=dtype) * scale  # noqa: E731
-    inv = 1.0 / (160000 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
-    top = torch.rand(t, E, device=dev).topk(K, dim=-1).indices
-    hit = int(top.unique().numel())
+def cases(t: int) -> dict:
+    """label -> (op, args, bytes, flops) at V4-Flash shapes for t tokens; the args are each op's own `example`
+    for its V4-Flash variant (the generator the kernel tests use)."""
+    from tilekernels.ops import DECLARED, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope, swiglu
+
+    def ex(name, variant):
+        return DECLARED[name].example(variant, t, "cuda")
+
     out = {
-        "rms_norm[4096]": ("rms_norm", (r(t, H), 1 + 0.1 * r(H, dtype=torch.float32), 1e-6), 4 * t * H + 4 * H, 0),
-        "rope[q 64x512]": ("rope", (r(t, NH, D), torch.randint(0, 65536, (t,), device=dev), inv, 1.0, False),
-                           4 * t * NH * D, 0),
-        "swiglu[2x2048]": ("swiglu", (r(t, 2 * I, scale=4.0), 10.0), 2 * t * 3 * I, 0),
-        "moe_gate[256 top6]": ("moe_gate", (r(t, E), K, "sqrtsoftplus", 1.5, 0.01 * r(E, dtype=torch.float32)),
+        "rms_norm[4096]": ("rms_norm", ex("rms_norm", rms_norm.Variant(H, "bfloat16")), 4 * t * H + 4 * H, 0),
+        "rope[q 64x512]": ("rope", ex("rope", rope.Variant(NH, D, 64, "bfloat16")), 4 * t * NH * D, 0),
+        "swiglu[2x2048]": ("swiglu", ex("swiglu", swiglu.Variant(I, "bfloat16")), 2 * t * 3 * I, 0),
+        "moe_gate[256 top6]": ("moe_gate", ex("moe_gate", moe_gate.Variant(E, K, "sqrtsoftplus", "bfloat16")),
                                2 * t * E + 8 * t * K, 0),
-        "hc_pre[4x4096]": ("hc_pre", (r(t, 4, H), weights["fn"], weights["base"], weights["scale"], 20, 1e-6, 1e-6),
+        "hc_pre[4x4096]": ("hc_pre", ex("hc_pre", hc_pre.Variant(4, H, 20, "bfloat16")),
                            2 * t * 4 * H + 2 * t * H + 4 * 24 * 4 * H, 2 * t * 24 * 4 * H),
-        "hc_post[4x4096]": ("hc_post", (r(t, 4, H), r(t, H), torch.rand(t, 4, device=dev),
-                                        torch.softmax(r(t, 4, 4, dtype=torch.float32), -1)), 2 * t * 9 * H, 0),
+        "hc_post[4x4096]": ("hc_post", ex("hc_post", hc_post.Variant(4, H, "bfloat16")), 2 * t * 9 * H, 0),
     }
     for label, (n, k) in {"q_a_proj 1024x4096": (1024, H), "q_b_proj 32768x1024": (NH * D, 1024),
                           "o_b_proj 4096x8192": (H, 8192), "lm_head 129280x4096": (129280, H)}.items():
-        out[f"linear[{label}]"] = ("linear", (r(t, k), weights[(n, k)]), 2 * (t * k + n * k + t * n), 2 * t * n * k)
-    out["grouped_linear[o_a 8x1024x4096]"] = ("grouped_linear", (r(t, 8, H), weights["o_a"]),
+        out[f"linear[{label}]"] = ("linear", ex("linear", linear.Variant(n, k, "bfloat16")),
+                                   2 * (t * k + n * k + t * n), 2 * t * n * k)
+    out["grouped_linear[o_a 8x1024x4096]"] = ("grouped_linear", ex("grouped_linear", linear.Variant(1024, H, "bfloat16",
+                                                                                                    groups=8)),
                                                2 * (t * 8 * H + 8 * 1024 * H + t * 8 * 1024), 2 * t * 8 * 1024 * H)
-    expert_bytes = hit * (2 * I * H + H * I) * 2
-    out["moe_experts[256 x (4096x4096 + 4096x2048)]"] = (
-        "moe_experts", (r(t, H), torch.softmax(r(t, K, dtype=torch.float32), -1), top, weights["gate_up"],
-                        weights["down"], 10.0), expert_bytes + 4 * t * H, 2 * t * K * 3 * I * H)
+    args = ex("moe_experts", moe_experts.Variant(2 * I, H, E, "bfloat16"))
+    top_k = args[2].shape[1]
+    hit = int(args[2].unique().numel())
+    out[f"moe_experts[256 x (4096x4096 + 4096x2048), top {top_k}]"] = (
+        "moe_experts", args, hit * (2 * I * H + H * I) * 2 + 4 * t * H, 2 * t * top_k * 3 * I * H)
     return out
 
 
 def attention_cases(t: int) -> dict:
-    """Attention over the window (128) plus the compressed entries a query sees at 4K and 64K context."""
+    """Attention over the window (128) plus the compressed entries a query sees at 4K and 64K context (the
+    op's `example` with that many KV rows per query)."""
+    from tilekernels.ops import DECLARED, sparse_attention
+
     out = {}
     for ctx, rows in (("4K CSA", 128 + 512), ("4K HCA", 128 + 4096 // 128), ("64K CSA", 128 + 512),
                       ("64K HCA", 128 + 65536 // 128)):
-        pool = 128 + (int(ctx.split("K")[0]) * 1024) // (4 if "CSA" in ctx else 128)
-        q = torch.randn(t, NH, D, device="cuda", dtype=BF16)
-        kv = torch.randn(pool, D, device="cuda", dtype=BF16)
-        idx = torch.randint(0, pool, (t, rows), device="cuda")
-        sinks = torch.randn(NH, device="cuda")
+        args = DECLARED["sparse_attention"].example(sparse_attention.Variant(NH, D, "bfloat16"), t, "cuda", kv_rows=rows)
         bytes_ = t * rows * D * 2 + 2 * t * NH * D * 2
-        out[f"sparse_attention[{ctx}: {rows} rows]"] = ("sparse_attention", (q, kv, idx, sinks, D**-0.5), bytes_,
-                                                        4 * t * NH * rows * D)
+        out[f"sparse_attention[{ctx}: {rows} rows]"] = ("sparse_attention", args, bytes_, 4 * t * NH * rows * D)
     return out
 
 
@@ -130,11 +129,6 @@ def main() -> None:
     ops = kernel_table("sm90", Env.read().cache_dir)
     wanted = set(args.ops.split(",")) if args.ops else None
     copy_gbs = copy_bandwidth()
-    r = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=BF16) * scale  # noqa: E731
-    weights = {(n, k): r(n, k, scale=k**-0.5) for n, k in ((1024, H), (NH * D, 1024), (H, 8192), (129280, H))}
-    weights.update(o_a=r(8 * 1024, H, scale=H**-0.5), gate_up=r(E, 2 * I, H, scale=H**-0.5),
-                   down=r(E, H, I, scale=I**-0.5), fn=0.01 * torch.randn(24, 4 * H, device="cuda"),
-                   base=0.5 * torch.randn(24, device="cuda"), scale=1 + 0.1 * torch.randn(3, device="cuda"))
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip()
     rows = []
@@ -143,7 +137,7 @@ def main() -> None:
     print("| op | tokens | ours ms | torch ms | ours GB/s | of copy BW | ours TFLOP/s | vs torch |")
     print("|---|---|---|---|---|---|---|---|")
     for t in [int(x) for x in args.tokens.split(",")]:
-        todo = {**cases(t, weights), **attention_cases(t)}
+        todo = {**cases(t), **attention_cases(t)}
         for label, (name, call_args, nbytes, flops) in todo.items():
             if wanted and name not in wanted:
                 continue

@@ -35,8 +35,8 @@ SCHEMAS = {"plain": SCHEMA, "maxLength": BOUNDED}
 
 
 def _setup(schema: str, batch: int):
-    from deepinfer.recipe import Recipe, default_tokenizer_path
-    from deepinfer.structured import Grammars, from_so_args
+    from deepinfer.serving.recipe import Recipe, default_tokenizer_path
+    from deepinfer.serving.structured import Grammars, from_so_args
     from deepinfer.tiny import tiny_config
 
     cfg = tiny_config()
@@ -59,7 +59,7 @@ def _advance(states, tokens: list[int], eos: tuple[int, ...]) -> None:
 
 def mask_step_ms(schema: str, batch: int, device: str, steps: int) -> dict[str, float]:
     """Bitmask fill + application on random logits, alone (the argmax that moves the grammar is not timed)."""
-    from deepinfer.structured import apply_masks
+    from deepinfer.serving.structured import apply_masks
 
     cfg, grammars, states, compile_s = _setup(schema, batch)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -87,7 +87,7 @@ def decode_steps_ms(schema: str, batch: int, steps: int) -> tuple[float, float]:
     import decode as bench
     from backends.nvidia.graphs import CudaGraphs
     from deepinfer.runtime.graph import DecodeGraphs
-    from deepinfer.structured import apply_masks
+    from deepinfer.serving.structured import apply_masks
 
     model = _slice_model()
     cfg, grammars, states, _ = _setup(schema, batch)

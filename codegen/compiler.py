@@ -63,8 +63,9 @@ class Artifact:
     meta: dict
     cached: bool  # True when found in the cache, False when built now
 
-    def file(self, stage: str) -> Path | None:
-        rel = self.meta["stages"].get(stage)
+    def file(self, output: str) -> Path | None:
+        """A named output of the build (e.g. cuda, cubin, lib, ascend, c), None when it was not made."""
+        rel = self.meta["stages"].get(output)
         return None if rel is None else self.path / rel
 
 
@@ -79,7 +80,7 @@ def cache_key(req: Request, target: Target, ir_text: str) -> str:
         "kernel": req.kernel,
         "variant": variant_dict(req.variant),
         "target": {"name": target.name, "tvm": target.tvm_target, "traits": dataclasses.asdict(target.traits),
-                   "stages": [s.name for s in target.stages]},
+                   "stages": [[s.name, *s.outputs] for s in target.stages]},
         "pass_configs": req.options(target),
         "toolchain": target.toolchain(),
         "tilelang": tl.version_stamp(),
@@ -134,10 +135,8 @@ class Compiler:
                 (tmp / "kernel.tir").write_text(func.script())
                 ctx = StageContext(func=func, out_dir=tmp, pass_configs=req.options(self.target))
                 try:
-                    for stage in self.target.stages:
-                        out = stage.run(ctx)
-                        if out is not None:
-                            ctx.files[stage.name] = out
+                    for stage in self.target.stages:  # the first lowers, the others compile its outputs
+                        ctx.files.update(stage.run(ctx))
                 except Exception as exc:
                     where = cache.keep_failure(tmp, self.root / "failed")
                     log_path = getattr(exc, "log", None)
@@ -152,8 +151,8 @@ class Compiler:
                     "variant": variant_dict(req.variant),
                     "target": self.target.name,
                     "key": key,
-                    "stages": {s.name: (str(ctx.files[s.name].relative_to(tmp)) if s.name in ctx.files else None)
-                               for s in self.target.stages},
+                    "stages": {o: (str(ctx.files[o].relative_to(tmp)) if o in ctx.files else None)
+                               for s in self.target.stages for o in s.outputs},
                     "notes": ctx.notes,
                     "toolchain": self.target.toolchain(),
                     "deepinfer": deepinfer_version(),

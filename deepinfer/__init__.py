@@ -16,11 +16,11 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from deepinfer.sampling import SamplingParams
+        from deepinfer.runtime.sampling import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":
-        from deepinfer.request import RequestOutput
+        from deepinfer.runtime.request import RequestOutput
 
         return RequestOutput
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

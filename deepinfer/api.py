@@ -10,22 +10,22 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from deepinfer.backend import select as select_backend
-from deepinfer.cache import CacheSpec, PagedCache, block_bytes
+from deepinfer.runtime.backend import select as select_backend
+from deepinfer.runtime.cache import CacheLayout, CacheSpec, PagedCache
 from deepinfer.config import ModelConfig
-from deepinfer.engine import Engine, RunStats
+from deepinfer.runtime.engine import Engine, RunStats
 from deepinfer.env import Env
 from deepinfer.errors import ConfigError, RequestError
 from deepinfer.model.model import DeepseekV4
 from deepinfer.model.weights import ModelWeights, tensor_specs
 from deepinfer.runtime.graph import DecodeGraphs
-from deepinfer.prebuild import prebuild
-from deepinfer.scheduler import SchedulerConfig
-from deepinfer.structured import THINK_END, Constraint, Grammars, from_so_args
-from deepinfer.api_requests import APIError, APIRequest, convert
-from deepinfer.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
-from deepinfer.request import Request, RequestOutput
-from deepinfer.sampling import SamplingParams, request_seed
+from deepinfer.compile.prebuild import prebuild
+from deepinfer.runtime.scheduler import SchedulerConfig
+from deepinfer.serving.structured import THINK_END, Constraint, Grammars, from_so_args
+from deepinfer.serving.api_requests import APIError, APIRequest, convert
+from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
+from deepinfer.runtime.request import Request, RequestOutput
+from deepinfer.runtime.sampling import SamplingParams, request_seed
 
 log = logging.getLogger("deepinfer")
 
@@ -33,10 +33,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PromptInput = Union[str, dict]
 
 
-def resolve_dtype(name: str, backend: str = "cpu") -> torch.dtype:
-    """'auto' is float32 on the CPU reference path and bfloat16 on accelerators; otherwise one of DTYPES."""
+def resolve_dtype(name: str, default: str = "float32") -> torch.dtype:
+    """'auto' is the target's default dtype (float32 on the CPU paths, bfloat16 on accelerators); otherwise one
+    of DTYPES."""
     if name == "auto":
-        return torch.float32 if backend == "cpu" else torch.bfloat16
+        return DTYPES[default]
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -45,10 +46,10 @@ def resolve_dtype(name: str, backend: str = "cpu") -> torch.dtype:
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
-def cache_spec(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
+def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
                num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128) -> CacheSpec:
     """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
-    `num_blocks`, else from free device memory on an accelerator, else enough for every slot at full length."""
+    `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else enough for every slot at full length."""
     limit = min(cfg.max_position_embeddings, max_model_len or DEFAULT_MAX_MODEL_LEN)
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
@@ -56,9 +57,10 @@ def cache_spec(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_s
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
         num_blocks = max_seqs * per_seq
-        if device.type == "cuda":
-            per_block, per_slot = block_bytes(cfg, block_tokens, dtype)
-            free, _ = torch.cuda.mem_get_info(device)
+        if memory is not None:
+            unit = CacheLayout.build(cfg, CacheSpec(0, max_seqs, per_seq, block_tokens), dtype)
+            per_block, per_slot = unit.block_bytes, unit.slot_bytes
+            free, _ = memory
             budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
             if budget < per_block:
                 raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
@@ -98,7 +100,7 @@ class LLM:
         self.model_dir = Path(model) if model is not None else None
         self.random_weights = self.model_dir is None
         self.backend = select_backend(backend, env.cache_dir, env)
-        torch_dtype = resolve_dtype(dtype, self.backend.name)
+        torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         if self.model_dir is None:
             from deepinfer.tiny import random_tensors, tiny_config
 
@@ -124,7 +126,7 @@ class LLM:
         device = self.backend.device
         weights = ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()})
         self.model = DeepseekV4(cfg, weights, self.backend.ops)
-        self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.device, torch_dtype, max_num_seqs, max_model_len,
+        self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.memory(), torch_dtype, max_num_seqs, max_model_len,
                                                 num_blocks, gpu_memory_utilization), torch_dtype, device)
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,

@@ -11,6 +11,8 @@ from typing import Any, TextIO
 
 import click
 
+import backends
+
 from deepinfer.errors import DeepInferError, RequestError
 
 
@@ -42,7 +44,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from deepinfer.cli_kernels import compile_cmd, kernels
+    from deepinfer.compile.cli import compile_cmd, kernels
 
     main.add_command(compile_cmd)
     main.add_command(kernels)
@@ -77,12 +79,14 @@ def run() -> None:
 @click.option("--seed", type=int, default=None, help="Sampling seed (per request; default random).")
 @click.option("--stop", "stop", multiple=True, help="A stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
-              help="Compute dtype of the weights; auto = float32 on the CPU reference path.")
+              help="Compute dtype of the weights; auto = the target's default (float32 on the CPU, bfloat16 on GPUs/NPUs).")
 @click.option("--output", "output", default="-", show_default=True, help="Output file, or - for stdout.")
 @click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default="text", show_default=True)
-@click.option("--backend", type=click.Choice(["cpu", "nvidia", "ascend"]), default=None,
-              help="cpu: PyTorch reference ops; nvidia: TileLang kernels (sm_90a) + CUDA graphs; ascend: TileLang "
-                   "kernels through torch_npu [default: $DEEPINFER_ACCELERATOR, else nvidia when a GPU is seen, else cpu]")
+@click.option("--backend", type=click.Choice(list(backends.TARGET_NAMES + tuple(backends.ALIASES))), default=None,
+              help="A target: sm90 / sm100 (TileLang kernels + CUDA graphs), ascend (TileLang kernels through "
+                   "torch_npu), c (TileLang's c target on the CPU, fp32, for checking kernels), reference (PyTorch "
+                   "reference ops); or an alias: cpu = reference, nvidia = the SM of the visible GPU [default: "
+                   "$DEEPINFER_ACCELERATOR, else the visible device's target, else reference]")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Requests run together.")
 @click.option("--max-prefill-tokens", type=int, default=2048, show_default=True, help="Prompt tokens per prefill step.")
 @click.option("--max-model-len", type=int, default=None,
@@ -102,7 +106,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
              seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
     from deepinfer.api import LLM
     from deepinfer.env import Env
-    from deepinfer.sampling import SamplingParams
+    from deepinfer.runtime.sampling import SamplingParams
 
     base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                 stop=tuple(stop))
@@ -159,7 +163,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
 
 def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO) -> None:
     """API-shaped requests: whole responses as OpenAI batch-output lines, or (--stream) chunks as they come."""
-    from deepinfer.api_requests import APIError
+    from deepinfer.serving.api_requests import APIError
 
     def emit(obj: dict[str, Any]) -> None:
         out.write(json.dumps(obj, ensure_ascii=False) + "\n")

@@ -102,7 +102,7 @@ class Runner:
     """A model with a small paged cache, for driving prefill and decode steps by hand in tests."""
 
     def __init__(self, cfg, weights, ops, tokens: int = 2048, seqs: int = 4):
-        from deepinfer.cache import CacheSpec, PagedCache
+        from deepinfer.runtime.cache import CacheSpec, PagedCache
         from deepinfer.model.model import DeepseekV4
 
         per_seq = -(-tokens // 128)
@@ -136,3 +136,24 @@ class Runner:
         for s in seqs:
             s.num_tokens += 1
         return logits
+
+# Odd widths: nothing a multiple of a kernel tile (hidden 48, head_dim 24, 6 heads, window 16, HCA rate 16,
+# vocab 301, 6 experts); every layer type.
+ODD_A: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=301, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+    head_dim=24, q_lora_rank=20, o_groups=2, o_lora_rank=12, n_routed_experts=6, num_experts_per_tok=2,
+    moe_intermediate_size=18, index_n_heads=3, index_head_dim=12, index_topk=3, qk_rope_head_dim=8,
+    layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    sliding_window=16, num_hash_layers=1, rope_scaling=YARN, max_position_embeddings=4096,
+)
+# Odd widths again, other factors: hc_mult 3, 5 heads of 20, 5 experts (3 picked), sigmoid scoring, vocab 257.
+ODD_B: dict[str, Any] = dict(
+    model_type="deepseek_v4", vocab_size=257, hidden_size=40, num_hidden_layers=3, num_attention_heads=5,
+    head_dim=20, q_lora_rank=28, o_groups=5, o_lora_rank=6, n_routed_experts=5, num_experts_per_tok=3,
+    moe_intermediate_size=14, index_n_heads=5, index_head_dim=10, index_topk=5, qk_rope_head_dim=6,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=12, hc_mult=3, num_hash_layers=1, scoring_func="sigmoid", rope_scaling=YARN,
+    routed_scaling_factor=2.5, max_position_embeddings=4096,
+)

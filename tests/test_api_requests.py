@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 
 import deepinfer
-from deepinfer.api_requests import APIError
-from deepinfer.structured import Constraint
+from deepinfer.serving.api_requests import APIError
+from deepinfer.serving.structured import Constraint
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                "maximum": 99}},

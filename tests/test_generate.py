@@ -9,7 +9,7 @@ import torch
 
 import deepinfer
 from deepinfer.errors import RequestError
-from deepinfer.sampling import SamplingParams
+from deepinfer.runtime.sampling import SamplingParams
 from tests.helpers import TINY_A, hf_model
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)

@@ -39,3 +39,32 @@ def test_no_source_file_is_huge():
     sizes = {p: len(p.read_text().splitlines()) for pkg in ORDER for p in (ROOT / pkg).rglob("*.py")}
     largest = max(sizes.items(), key=lambda kv: kv[1], default=(None, 0))
     assert largest[1] <= 400, f"{largest[0]} has {largest[1]} lines"
+
+
+def _target_words() -> set[str]:
+    import backends
+
+    return set(backends.TARGET_NAMES) | set(backends.ALIASES) | {"cpu", "cuda", "npu"}
+
+
+def _names_compared(node: ast.Compare) -> set[str]:
+    """String constants on either side of ==, !=, in, not in (tuples, lists and sets of them included)."""
+    if not any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+        return set()
+    found = set()
+    for side in [node.left, *node.comparators]:
+        items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        found.update(i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str))
+    return found
+
+
+def test_no_branch_on_a_target_name_outside_backends():
+    """What differs between targets is data on `backends.Target`; nothing above `backends/` compares a target,
+    backend or device-type name."""
+    words, hits = _target_words(), []
+    for package in ORDER[:-1]:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare) and _names_compared(node) & words:
+                    hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not hits, f"target-name branches outside backends/: {hits}"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from deepinfer.errors import RequestError
-from deepinfer.recipe import Recipe, default_tokenizer_path, tokenizer_path
+from deepinfer.serving.recipe import Recipe, default_tokenizer_path, tokenizer_path
 
 USER, ASSISTANT, EOS, THINK, END_THINK = 128803, 128804, 1, 128821, 128822
 

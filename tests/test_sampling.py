@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer.errors import RequestError
-from deepinfer.sampling import SamplingParams, draw_seed, filter_logits, sample
+from deepinfer.runtime.sampling import SamplingParams, draw_seed, filter_logits, sample
 
 
 def test_greedy_is_argmax():

@@ -13,8 +13,8 @@ import torch
 
 import deepinfer
 from deepinfer.errors import RequestError
-from deepinfer.sampling import SamplingParams
-from deepinfer.structured import apply_masks, from_so_args
+from deepinfer.runtime.sampling import SamplingParams
+from deepinfer.serving.structured import apply_masks, from_so_args
 
 # Schemas whose every value is bounded, so random weights finish them well inside max_new_tokens.
 SCHEMAS = [

@@ -62,11 +62,31 @@ class OpLauncher:
         return OpLauncher(self._launcher, name)
 
 
+class Recorder(Launcher):
+    """A launcher that compiles nothing: it records every (op, kernel, variant) an op's `run` asks for and hands
+    back a no-op, so that a model run on meta tensors lists the kernels it launches (the compile plan)."""
+
+    def __init__(self):
+        self.seen: dict[tuple, None] = {}  # insertion-ordered set
+
+    def __call__(self, op: str, kernel: str, variant: Any) -> Callable[..., Any]:
+        self.seen.setdefault((op, kernel, variant))
+        return _no_op
+
+
+def _no_op(*args: Any) -> None:
+    return None
+
+
 def kernel_table(target_name: str, cache_dir: Path, jit: bool = True) -> OpTable:
     """Every op with kernels runs them on `target_name`; the others run their reference (on the same device)."""
     import backends
 
-    launcher = Launcher(Compiler(backends.get(target_name), cache_dir, jit=jit))
+    return table(Launcher(Compiler(backends.get(target_name), cache_dir, jit=jit)))
+
+
+def table(launcher: Launcher) -> OpTable:
+    """The op table whose kernel ops launch through `launcher`."""
     impls = {}
     for name, op in DECLARED.items():
         impls[name] = functools.partial(op.run, launcher.for_op(name)) if op.run is not None else op.reference

@@ -48,27 +48,16 @@ class Kernel:
 
 
 @dataclass(frozen=True)
-class Arg:
-    """One tensor of an op's kernel signature: symbolic shape (names are runtime sizes or variant fields)."""
-
-    name: str
-    shape: tuple[str | int, ...]
-    dtype: str  # a dtype name, or the name of the variant field holding it
-    role: str = "in"  # in | out
-
-
-@dataclass(frozen=True)
 class OpDecl:
     name: str
     summary: str
     reference: Callable[..., Any]
     kernels: tuple[Kernel, ...] = ()
-    variant: type | None = None  # frozen dataclass of compile-time parameters
-    signature: tuple[Arg, ...] = ()
     tolerance: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # dtype -> (atol, rtol)
     run: Callable[..., Any] | None = None  # run(launch, *reference_args) with launch(kernel_name, variant)
     example: Callable[..., tuple[Any, ...]] | None = None  # example(variant, rows, device) -> reference args
     uses: tuple[str, ...] = ()  # other ops whose kernels `run` launches
+    row_samples: tuple[int, ...] = ()  # row counts at which `run` picks each of its variants (the plan traces them)
 
     def kernel(self, name: str) -> Kernel:
         for k in self.kernels:
@@ -95,15 +84,6 @@ class OpTable:
 
     def names(self) -> list[str]:
         return sorted(self._impls)
-
-
-def tiles(total: int, tile: int, op: str, what: str) -> tuple[int, int]:
-    """(block, count) covering `total` with blocks of min(tile, total); ShapeError when they do not divide it.
-    Bodies call it with the tile of the config they are built with, so the check is the target's own."""
-    block = min(tile, total)
-    require(block > 0 and total % block == 0, op, f"{what}={total} must be a multiple of the tile {block} (or at "
-            f"most {tile}) for this target")
-    return block, total // block
 
 
 def require(ok: bool, op: str, message: str) -> None:

@@ -37,16 +37,21 @@ def toolchain() -> dict[str, str]:
     return {"bisheng": out.splitlines()[0] if out else "unknown"}
 
 
-def _source(ctx: StageContext) -> Path:
-    path = ctx.out_dir / "kernel.cpp"
-    path.write_text(tl.lower_source(ctx.func, "ascend", ctx.pass_configs))
-    return path
+def _lower(ctx: StageContext) -> dict[str, Path]:
+    """The one lowering -> AscendC source, and with CANN's bisheng the loadable library TileLang builds from it."""
+    build_lib = bisheng_path() is not None
+    if not build_lib:
+        ctx.notes["lib"] = "bisheng (CANN 9.2) not found: no loadable library; the artifact is the AscendC source"
+    out = tl.lower(ctx.func, "ascend", ctx.pass_configs, ctx.out_dir, "kernel.cpp", library=build_lib,
+                   execution_backend="cython")
+    return {"ascend": out["source"], **({"lib": out["lib"]} if "lib" in out else {})}
 
 
-def _binary(ctx: StageContext) -> Path | None:
+def _binary(ctx: StageContext) -> dict[str, Path]:
+    """bisheng compiles the same AscendC source to a device object (kept with the artifact)."""
     if bisheng_path() is None:
         ctx.notes["binary"] = "bisheng (CANN 9.2) not found: the artifact is the AscendC source only"
-        return None
+        return {}
     tl.tilelang()
     from tilelang.contrib.bisheng import get_bisheng_compile_options
 
@@ -55,31 +60,63 @@ def _binary(ctx: StageContext) -> Path | None:
     src.write_text(ctx.files["ascend"].read_text())
     run_tool([bisheng_path(), *get_bisheng_compile_options(), "--cce-aicore-only", str(src), "-o", str(out)],
              ctx.out_dir / "bisheng.log", "bisheng")
-    return out
+    return {"binary": out}
 
 
 class AscendRuntime:
-    """JIT-compiles through TileLang's Ascend execution backend on an NPU host (torch_npu imported here)."""
+    """Loads the library the build published (through TileLang's cython adapter; torch_npu imported here); it
+    never compiles at load. A kernel built without CANN has no library: the error says to rebuild it on a host
+    with bisheng."""
 
     def load(self, artifact_dir: Path, func: Any, pass_configs: dict):
         try:
             import torch_npu  # noqa: F401
         except ImportError as exc:
             raise BackendError("the Ascend runtime needs torch_npu (pip install 'deepinfer[ascend]') and an NPU") from exc
-        tilelang = tl.tilelang()
-        return tilelang.compile(func, target="ascend", pass_configs=pass_configs)
+        lib = artifact_dir / "lib"
+        if not (lib / tl.LIB_FILE).is_file():
+            raise BackendError(f"{artifact_dir} has no loadable library (built without CANN's bisheng); rebuild it "
+                               f"with `deepinfer compile --target ascend` on a host with CANN 9.2")
+        return tl.load_library(lib, artifact_dir / "kernel.cpp", func, "ascend", pass_configs)
+
+
+def _present() -> bool:
+    try:
+        import torch
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())
+
+
+def _graphs():
+    from backends.ascend.graphs import NpuGraphs
+
+    return NpuGraphs()
+
+
+def _memory(device) -> tuple[int, int]:
+    import torch
+
+    return torch.npu.mem_get_info(device)
 
 
 ASCEND = Target(
     name="ascend",
     description="Huawei Ascend 950 (AscendC via TileLang's ascend target) - compile only here",
+    family="ascend",
+    device_type="npu",
+    default_dtype="bfloat16",
+    present=_present,
     tvm_target="ascend",
     traits=Traits(dialect="tilelang.ascend.language", launch="persistent", cores=CORES, io_scope="shared.dyn",
                   operand_scope="shared.l1", acc="l0c", vec="shared", reg="fragment", vector_region=True,
                   vector_halves=True),
-    stages=(Stage("ascend", _source), Stage("binary", _binary)),
+    stages=(Stage("lower", _lower, ("ascend", "lib")), Stage("binary", _binary, ("binary",))),
     pass_configs=_PASS_CONFIGS,
     toolchain=toolchain,
     runtime=AscendRuntime(),
-    device_type="npu",
+    graphs=_graphs,
+    memory=_memory,
+    needs="torch_npu (pip install 'deepinfer[ascend]') and an Ascend NPU",
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from backends import tl
-from backends.base import BackendError, Stage, StageContext, Target, Traits
+from backends.base import Stage, StageContext, Target, Traits
 
 _PASS_CONFIGS: dict[str, Any] = {"tirx.disable_vectorize": True}
 
@@ -25,19 +25,11 @@ def toolchain() -> dict[str, str]:
     return {"g++": out, "host": platform.machine()}
 
 
-def _source(ctx: StageContext) -> Path:
-    path = ctx.out_dir / "kernel.c"
-    path.write_text(tl.lower_source(ctx.func, "c", ctx.pass_configs, cpu=True))
-    return path
-
-
-def _library(ctx: StageContext) -> Path:
-    try:
-        return tl.build_library(ctx.func, "c", ctx.pass_configs, ctx.out_dir / "lib", cpu=True)
-    except Exception as exc:
-        log = ctx.out_dir / "lib.log"
-        log.write_text(str(exc))
-        raise BackendError("building the CPU library failed", log) from exc
+def _lower(ctx: StageContext) -> dict[str, Path]:
+    """The one lowering -> C source and the library TileLang builds from it (cython wrapper, g++)."""
+    out = tl.lower(ctx.func, "c", ctx.pass_configs, ctx.out_dir, "kernel.c", library=True, execution_backend="cython",
+                   cpu=True)
+    return {"c": out["source"], "lib": out["lib"]}
 
 
 class CpuRuntime:
@@ -45,15 +37,18 @@ class CpuRuntime:
         return tl.load_library(artifact_dir / "lib", artifact_dir / "kernel.c", func, "c", pass_configs)
 
 
-CPU = Target(
-    name="cpu",
-    description="host CPU through TileLang's c target (fp32 checks of the portable bodies)",
+C = Target(
+    name="c",
+    description="host CPU through TileLang's c target (fp32 runs of the portable bodies, for checking them)",
+    family="cpu",
+    device_type="cpu",
+    default_dtype="float32",
+    present=lambda: True,
     tvm_target="c",
     traits=Traits(dialect="tilelang.language", launch="grid", cores=0, io_scope="shared", operand_scope="shared",
                   acc="local", vec="local", reg="local", vector_region=False, vector_halves=False),
-    stages=(Stage("c", _source), Stage("lib", _library)),
+    stages=(Stage("lower", _lower, ("c", "lib")),),
     pass_configs=_PASS_CONFIGS,
     toolchain=toolchain,
     runtime=CpuRuntime(),
-    device_type="cpu",
 )

@@ -12,20 +12,55 @@ _GRID = dict(dialect="tilelang.cuda.language", launch="grid", cores=0, io_scope=
 _PASS_CONFIGS: dict = {}
 
 
-def _target(name: str, arch: str, acc: str, description: str) -> Target:
+def compute_capability_major() -> int | None:
+    """The visible CUDA device's compute capability major (None: no CUDA device torch can use)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0]
+
+
+def _graphs():
+    from backends.nvidia.graphs import CudaGraphs
+
+    return CudaGraphs()
+
+
+def _memory(device) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.mem_get_info(device)
+
+
+def _target(name: str, arch: str, major: int, acc: str, description: str) -> Target:
     tvm_target = {"kind": "cuda", "arch": arch}
     return Target(
         name=name,
         description=description,
+        family="nvidia",
+        device_type="cuda",
+        default_dtype="bfloat16",
+        present=lambda: compute_capability_major() == major,
         tvm_target=tvm_target,
         traits=Traits(acc=acc, **_GRID),
         stages=cuda_stages(arch, tvm_target),
         pass_configs=_PASS_CONFIGS,
         toolchain=toolchain,
         runtime=NvidiaRuntime(tvm_target),
-        device_type="cuda",
+        graphs=_graphs,
+        memory=_memory,
+        needs=f"an NVIDIA GPU of compute capability {major}.x that torch can see",
     )
 
 
-SM90 = _target("sm90", "sm_90a", "fragment", "NVIDIA Hopper (sm_90a: TMA, wgmma)")
-SM100 = _target("sm100", "sm_100a", "tmem", "NVIDIA Blackwell (sm_100a: tcgen05 MMA, TMEM) - compile only here")
+SM90 = _target("sm90", "sm_90a", 9, "fragment", "NVIDIA Hopper (sm_90a: TMA, wgmma)")
+SM100 = _target("sm100", "sm_100a", 10, "tmem", "NVIDIA Blackwell (sm_100a: tcgen05 MMA, TMEM) - compile only here")
+
+
+def without_library(target: Target) -> Target:
+    """The same target building only the CUDA source and the cubin (no runtime library): what a machine checks
+    when it has no GPU to load the library on. A different stage list, so a different cache key."""
+    import dataclasses
+
+    return dataclasses.replace(target, stages=cuda_stages(target.tvm_target["arch"], target.tvm_target, library=False))

@@ -40,33 +40,29 @@ def nvcc_flags(arch: str) -> list[str]:
             f"-I{env.TILELANG_TEMPLATE_PATH}", f"-I{env.CUTLASS_INCLUDE_DIR}"]
 
 
-def cuda_stages(arch: str, tvm_target: dict) -> tuple[Stage, ...]:
-    def cuda(ctx: StageContext) -> Path:
-        path = ctx.out_dir / "kernel.cu"
-        path.write_text(tl.lower_source(ctx.func, tvm_target, ctx.pass_configs))
-        return path
+def cuda_stages(arch: str, tvm_target: dict, library: bool = True) -> tuple[Stage, ...]:
+    """lower: the one lowering -> CUDA source (+ the runtime library TileLang builds from it with nvcc);
+    cubin: nvcc compiles that same source to a cubin for `arch`. `library=False` skips the runtime library
+    (source and cubin only: what a machine without the target's GPU needs to check a kernel)."""
 
-    def cubin(ctx: StageContext) -> Path | None:
+    def lower(ctx: StageContext) -> dict[str, Path]:
+        build_lib = library and nvcc_path() is not None
+        if library and not build_lib:
+            ctx.notes["lib"] = "nvcc not found on PATH: runtime library not built"
+        out = tl.lower(ctx.func, tvm_target, ctx.pass_configs, ctx.out_dir, "kernel.cu", library=build_lib)
+        return {"cuda": out["source"], **({"lib": out["lib"]} if "lib" in out else {})}
+
+    def cubin(ctx: StageContext) -> dict[str, Path]:
         if nvcc_path() is None:
             ctx.notes["cubin"] = "nvcc not found on PATH: cubin not built"
-            return None
+            return {}
         out = ctx.out_dir / "kernel.cubin"
         run_tool([nvcc_path(), *nvcc_flags(arch), "-o", str(out), str(ctx.files["cuda"])],
                  ctx.out_dir / "nvcc.log", f"nvcc ({arch})")
-        return out
+        return {"cubin": out}
 
-    def library(ctx: StageContext) -> Path | None:
-        if nvcc_path() is None:
-            ctx.notes["lib"] = "nvcc not found on PATH: runtime library not built"
-            return None
-        try:
-            return tl.build_library(ctx.func, tvm_target, ctx.pass_configs, ctx.out_dir / "lib")
-        except Exception as exc:  # TileLang raises plain RuntimeErrors with the compiler output
-            log = ctx.out_dir / "lib.log"
-            log.write_text(str(exc))
-            raise BackendError(f"building the {arch} runtime library failed", log) from exc
-
-    return (Stage("cuda", cuda), Stage("cubin", cubin), Stage("lib", library))
+    outputs = ("cuda", "lib") if library else ("cuda",)
+    return (Stage("lower", lower, outputs), Stage("cubin", cubin, ("cubin",)))
 
 
 class NvidiaRuntime:

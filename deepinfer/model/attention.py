@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.cache import LayerCache, SeqCache
+from deepinfer.runtime.cache import LayerCache, SeqCache
 from deepinfer.config import CSA, ModelConfig
 from deepinfer.model.compressor import RopeTables, compress_prefill
 from deepinfer.model.weights import Attention
@@ -80,16 +80,16 @@ def prefill_core(ctx: AttentionContext, w: Attention, p: Projected, pos: torch.T
 
 def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCache):
     """Update one sequence's state with its chunk; return the KV pool and each query's row list."""
-    cfg, ops = ctx.cfg, ctx.ops
+    cfg, ops, lay = ctx.cfg, ctx.ops, layer.layout
     window, t0 = cfg.sliding_window, seq.num_tokens
     kv = p.kv[rows]
     n = kv.shape[0]
-    ring = layer.ring[seq.slot]
     past_pos = torch.arange(max(0, t0 - (window - 1)), t0, device=kv.device)
-    full = torch.cat([ring[past_pos % window], kv], dim=0)
+    full = torch.cat([layer.pool[lay.window_rows(seq.slot, past_pos)], kv], dim=0)
     keep = torch.arange(max(t0, t0 + n - window), t0 + n, device=kv.device)
-    ring[keep % window] = kv[keep - t0].to(ring.dtype)
-    # Window rows: query at position q sees q-W+1 .. q; pool row of position x is x - (t0 - len(past)).
+    layer.pool[lay.window_rows(seq.slot, keep)] = kv[keep - t0].to(layer.pool.dtype)
+    # Window rows of `full` (not of the cache): query at position q sees q-W+1 .. q; row of position x is
+    # x - (t0 - len(past)).
     pos = torch.arange(t0, t0 + n, device=kv.device)
     win_pos = pos.view(-1, 1) + torch.arange(-window + 1, 1, device=kv.device).view(1, -1)
     first = t0 - past_pos.numel()
@@ -99,7 +99,7 @@ def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCa
     eps, crope = cfg.rms_norm_eps, ctx.compress_rope
     comp = layer.compressor
     entries = compress_prefill(ops, comp, w.compressor, seq, t0, p.comp[0][rows], p.comp[1][rows], eps, crope)
-    visible = (pos + 1) // comp.rate  # entries e < visible[s] are closed windows query s may see
+    visible = comp.layout.closed(pos)  # entries e < visible[s] are closed windows query s may see
     if ctx.is_csa:
         ikv, igate, iq, iw = (t[rows] for t in p.index)
         keys = compress_prefill(ops, layer.indexer, w.indexer.compressor, seq, t0, ikv, igate, eps, crope)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.cache import Compressor, SeqCache
+from deepinfer.runtime.cache import Compressor, SeqCache
 from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
 
@@ -33,12 +33,6 @@ class RopeTables:
 def _pool(ops: OpTable, w: CompressorWeights, slots_kv, slots_gate, positions, eps: float, rope: RopeTables):
     entries = ops.rms_norm(ops.compress_pool(slots_kv, slots_gate), w.kv_norm, eps)
     return ops.rope(entries, positions, rope.inv_freq, rope.attention_factor)
-
-
-def entry_rows(comp: Compressor, blocks: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-    """Rows of `comp.entries` (flattened) of entry indices `entries` given block ids per block index."""
-    per_block = comp.per_block
-    return blocks.gather(-1, entries // per_block) * per_block + entries % per_block
 
 
 def compress_prefill(
@@ -75,23 +69,23 @@ def compress_prefill(
             slots_kv, slots_gate = chunk_kv, chunk_gate
         new = torch.arange(first_entry, first_entry + n, device=kv.device)
         entries = _pool(ops, w, slots_kv, slots_gate, new * rate, eps, rope)
-        comp.entries.view(-1, d)[entry_rows(comp, blocks, new)] = entries.to(comp.entries.dtype)
+        comp.store[comp.layout.entry_rows(blocks, new)] = entries.to(comp.store.dtype)
     total = (t0 + kv.shape[0] - fill) // rate
-    return comp.entries.view(-1, d)[entry_rows(comp, blocks, torch.arange(total, device=kv.device))]
+    return comp.store[comp.layout.entry_rows(blocks, torch.arange(total, device=kv.device))]
 
 
 def compress_decode(
     ops: OpTable, comp: Compressor, w: CompressorWeights, slots: torch.Tensor, positions: torch.Tensor,
-    blocks: torch.Tensor, scratch_block: int, kv: torch.Tensor, gate: torch.Tensor, eps: float, rope: RopeTables,
+    blocks: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, eps: float, rope: RopeTables,
 ) -> None:
     """One new token per row: kv/gate [B, width] at `positions` [B] for sequences in `slots` [B] whose block
     tables are `blocks` [B, max_blocks]. Static shapes throughout."""
-    rate, d = comp.rate, w.kv_norm.shape[0]
-    within = positions % rate
-    comp.buf_kv[slots, within] = kv.to(comp.buf_kv.dtype)
-    comp.buf_gate[slots, within] = gate.to(comp.buf_gate.dtype)
-    closing = (positions + 1) % rate == 0
-    entry = torch.clamp((positions + 1) // rate - 1, min=0)  # the entry that closes now (where closing)
+    lay, d = comp.layout, w.kv_norm.shape[0]
+    at = lay.buffer_index(slots, positions)
+    comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
+    comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
+    closing = lay.closing(positions)
+    entry = lay.closing_entry(positions)  # the entry that closes now (where closing)
     chunk_kv = comp.buf_kv[slots]  # [B, rate, width]
     chunk_gate = comp.buf_gate[slots] + w.position_bias
     if comp.overlap:
@@ -104,7 +98,5 @@ def compress_decode(
         comp.ov_gate[slots] = torch.where(keep, chunk_gate[..., :d], comp.ov_gate[slots])
     else:
         slots_kv, slots_gate = chunk_kv, chunk_gate
-    entries = _pool(ops, w, slots_kv, slots_gate, entry * rate, eps, rope)
-    rows = entry_rows(comp, blocks, entry.view(-1, 1)).view(-1)
-    scratch = torch.full_like(rows, scratch_block * comp.per_block)
-    comp.entries.view(-1, d)[torch.where(closing, rows, scratch)] = entries.to(comp.entries.dtype)
+    entries = _pool(ops, w, slots_kv, slots_gate, entry * lay.rate, eps, rope)
+    comp.store[lay.close_rows(blocks, positions)] = entries.to(comp.store.dtype)

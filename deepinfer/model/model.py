@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from deepinfer.cache import PagedCache, SeqCache
+from deepinfer.runtime.cache import PagedCache, SeqCache
 from deepinfer.config import HASH_MOE, SLIDING, ModelConfig
 from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
 from deepinfer.model.compressor import RopeTables
@@ -47,7 +47,7 @@ class DeepseekV4:
         """Chunks of sequences: `seqs` lists (sequence, first row, rows) of the flat `ids`/`positions`; each chunk
         continues its sequence (its first position is the sequence's token count). Returns fp32 logits of
         `logit_rows` (every row when None). Advances each sequence's token count."""
-        for seq, start, _ in seqs:
+        for seq, start, _ in seqs if not positions.is_meta else ():  # a meta trace has no values to check
             if int(positions[start]) != seq.num_tokens:
                 raise AssertionError(f"chunk starts at {int(positions[start])} but the sequence holds {seq.num_tokens}")
 
@@ -68,7 +68,7 @@ class DeepseekV4:
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
             p = project(ctx, w, x, inp.positions)
-            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], cache), inp.positions)
+            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer]), inp.positions)
 
         return self._forward(inp.ids, attend, None)
 

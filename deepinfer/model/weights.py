@@ -242,7 +242,7 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None
             raise WeightsError(f"tensor {name} has shape {list(got)}, but the config requires {list(spec.shape)}")
         if spec.kind == INT:
             table = tensors[name]
-            if table.numel() and (int(table.min()) < 0 or int(table.max()) >= cfg.n_routed_experts):
+            if table.numel() and not table.is_meta and (int(table.min()) < 0 or int(table.max()) >= cfg.n_routed_experts):
                 raise WeightsError(
                     f"tensor {name} routes to expert ids in [{int(table.min())}, {int(table.max())}], "
                     f"outside [0, {cfg.n_routed_experts - 1}]"

@@ -1,1 +1,1 @@
-"""The thin runtime: the decode step as a static graph per batch bucket."""
+"""The runtime: engine loop, scheduler, paged cache, decode graphs, requests, sampling, backend selection."""

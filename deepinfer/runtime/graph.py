@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from deepinfer.cache import PagedCache, SeqCache
+from deepinfer.runtime.cache import PagedCache, SeqCache
 from deepinfer.model.decode import DecodeInputs
 from deepinfer.model.model import DeepseekV4
 

@@ -10,48 +10,35 @@ from codegen.driver import record_run
 from tilekernels.ops import DECLARED
 
 pytestmark = pytest.mark.gpu
-BF16 = torch.bfloat16
 
 
-def inv_freq(r: int, dev) -> torch.Tensor:
-    return 1.0 / (160000 ** (torch.arange(0, r, 2, device=dev).float() / r))
-
-
-def cases(dev, t: int) -> dict:
-    """V4-Flash shapes for a batch of t tokens (each built only when asked for)."""
-    def r(*shape, dtype=torch.float32, scale=1.0):
-        return torch.randn(*shape, device=dev, dtype=dtype) * scale
-
-    def indices():
-        idx = torch.randint(0, 4096 + 128, (t, 640), device=dev)
-        idx[:, -13:] = -1
-        return idx
+def flash_variants() -> dict:
+    """op -> the variant its inputs are made for, at V4-Flash widths (hidden 4096, 64 heads of 512, 256
+    experts top 6, hc 4, vocab 129280); the inputs come from each op's own `example`."""
+    from tilekernels.ops import hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu
 
     return {
-        "rms_norm": lambda: (r(t, 4096, dtype=BF16), 1 + 0.1 * r(4096), 1e-6),
-        "rms_norm_unweighted": lambda: (r(t, 64, 512, dtype=BF16), 1e-6),
-        "rope": lambda: (r(t, 64, 512, dtype=BF16), torch.randint(0, 65536, (t,), device=dev), inv_freq(64, dev), 1.0,
-                         False),
-        "linear": lambda: (r(t, 1024, dtype=BF16), r(32768, 1024, dtype=BF16, scale=1 / 32)),
-        "grouped_linear": lambda: (r(t, 8, 4096, dtype=BF16), r(8192, 4096, dtype=BF16, scale=1 / 64)),
-        "swiglu": lambda: (r(t, 4096, dtype=BF16, scale=4.0), 10.0),
-        "moe_gate": lambda: (r(t, 256, dtype=BF16), 6, "sqrtsoftplus", 1.5, 0.01 * r(256)),
-        "moe_experts": lambda: (r(t, 4096, dtype=BF16), torch.softmax(r(t, 6), -1),
-                                torch.rand(t, 256, device=dev).topk(6, dim=-1).indices,
-                                r(256, 4096, 4096, dtype=BF16, scale=1 / 64), r(256, 4096, 2048, dtype=BF16, scale=1 / 45),
-                                10.0),
-        "hc_pre": lambda: (r(t, 4, 4096, dtype=BF16), 0.01 * r(24, 16384), 0.5 * r(24), 1 + 0.1 * r(3), 20, 1e-6, 1e-6),
-        "hc_post": lambda: (r(t, 4, 4096, dtype=BF16), r(t, 4096, dtype=BF16), 2 * torch.rand(t, 4, device=dev),
-                            torch.softmax(r(t, 4, 4), -1)),
-        "sparse_attention": lambda: (r(t, 64, 512, dtype=BF16), r(4096 + 128, 512, dtype=BF16), indices(), r(64),
-                                     512**-0.5),
+        "rms_norm": rms_norm.Variant(4096, "bfloat16"),
+        "rms_norm_unweighted": rms_norm.Variant(512, "bfloat16", weighted=False),
+        "rope": rope.Variant(64, 512, 64, "bfloat16"),
+        "linear": linear.Variant(32768, 1024, "bfloat16"),
+        "grouped_linear": linear.Variant(1024, 4096, "bfloat16", groups=8),
+        "swiglu": swiglu.Variant(2048, "bfloat16"),
+        "moe_gate": moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
+        "moe_experts": moe_experts.Variant(4096, 4096, 256, "bfloat16"),
+        "hc_pre": hc_pre.Variant(4, 4096, 20, "bfloat16"),
+        "hc_post": hc_post.Variant(4, 4096, "bfloat16"),
+        "sparse_attention": sparse_attention.Variant(64, 512, "bfloat16"),
     }
 
 
-def compare(name, got, want):
-    if name == "moe_gate":  # compare the picked experts' weights, order-free (bf16 logits may tie)
-        got = (got[0].sort(-1).values,)
-        want = (want[0].float().sort(-1).values,)
+def example(name: str, dev, tokens: int) -> tuple:
+    return DECLARED[name].example(flash_variants()[name], tokens, dev)
+
+
+def compare(name, got, want, args=()):
+    if name == "moe_gate":
+        got, want = moe_gate_ties(got, want, args)
     got = (got,) if isinstance(got, torch.Tensor) else got
     want = (want,) if isinstance(want, torch.Tensor) else want
     atol, rtol = DECLARED[name].tolerance["bfloat16"]
@@ -59,29 +46,46 @@ def compare(name, got, want):
         torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol)
 
 
+def moe_gate_ties(got, want, args):
+    """Routing compared order-free; a row whose picked set differs must be a near-tie: its picks' fp32 selection
+    scores sum to the reference's within the bf16 tolerance (the reference scores bf16 logits in bf16, the kernel
+    in fp32, and bf16 scores tie often over 256 experts: on the H200 up to 2 rows of 16 differed, by <= 0.0024). Such rows drop out of the weight
+    comparison. Returns the sorted weights of the rows that agree."""
+    from tilekernels.ops.moe_gate import score
+
+    logits, _, scoring, _, bias = args[:5]
+    sel = score(logits.float(), scoring) + (0 if bias is None else bias.float())
+    gi, wi = got[1].long().sort(-1).values, want[1].long().sort(-1).values
+    same = (gi == wi).all(-1)
+    gap = (sel.gather(1, gi).sum(-1) - sel.gather(1, wi).sum(-1)).abs()
+    atol = DECLARED["moe_gate"].tolerance["bfloat16"][0]
+    assert (gap[~same] <= atol).all(), f"rows {(~same).nonzero().flatten().tolist()} picked other experts, not a tie"
+    return (got[0][same].sort(-1).values,), (want[0][same].float().sort(-1).values,)
+
+
 @pytest.mark.parametrize("tokens", [8, 512])
 @pytest.mark.parametrize("name", sorted(n for n, op in DECLARED.items() if op.run is not None))
 def test_kernel_matches_reference_bf16(name, tokens, sm90_ops, cuda, cache_dir):
     torch.manual_seed(tokens)
-    args = cases(cuda, tokens)[name]()
-    compare(name, getattr(sm90_ops, name)(*args), DECLARED[name].reference(*args))
+    args = example(name, cuda, tokens)
+    compare(name, getattr(sm90_ops, name)(*args), DECLARED[name].reference(*args), args)
     record_run(cache_dir, name, "sm90", f"H200 bf16, {tokens} tokens: matched the reference")
 
 
 @pytest.mark.parametrize("name", sorted(n for n, op in DECLARED.items() if op.run is not None))
 def test_kernel_replays_from_a_cuda_graph(name, sm90_ops, cuda):
     torch.manual_seed(1)
-    args = cases(cuda, 16)[name]()
+    args = example(name, cuda, 16)
     fn = getattr(sm90_ops, name)
     fn(*args)  # load the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn(*args)
-    fresh = cases(cuda, 16)[name]()
+    fresh = example(name, cuda, 16)
     for static, new in zip(args, fresh):  # new data into the captured inputs
         if isinstance(static, torch.Tensor) and static.is_floating_point():
             static.copy_(new)
     graph.replay()
     torch.cuda.synchronize()
-    compare(name, out, DECLARED[name].reference(*args))
+    compare(name, out, DECLARED[name].reference(*args), args)

@@ -4,10 +4,10 @@ lowering). sm_100 and Ascend are compile-only here: nothing of theirs runs on ha
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
+import torch
 
 import backends
 from codegen import Compiler
@@ -24,9 +24,25 @@ CASES = {
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
     ("hc_pre", "hc_pre"): hc_pre.Variant(4, 4096, 20, "bfloat16"),
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
-    ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16", splits=4),
-    ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16", splits=4),
+    ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
+    ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
 }
+
+# Widths of small configs that no thread count or chunk divides (the bodies pad and mask them; attention's
+# head dim 20 is padded to 32 by its `variant`): they used to fail layout inference on sm90/sm100.
+_ODD_ATTENTION = sparse_attention.variant(torch.empty(1, 5, 20, dtype=torch.bfloat16, device="meta"))
+ODD = {
+    ("rms_norm", "rms_norm"): rms_norm.Variant(20, "bfloat16"),
+    ("swiglu", "swiglu"): swiglu.Variant(1408, "bfloat16"),
+    ("rope", "rope"): rope.Variant(5, 20, 6, "bfloat16"),
+    ("moe_gate", "moe_gate"): moe_gate.Variant(6, 2, "sqrtsoftplus", "bfloat16"),
+    ("hc_pre", "hc_pre"): hc_pre.Variant(3, 40, 20, "bfloat16"),
+    ("hc_post", "hc_post"): hc_post.Variant(4, 100, "bfloat16"),
+    ("sparse_attention", "split"): _ODD_ATTENTION,
+    ("sparse_attention", "combine"): _ODD_ATTENTION,
+}
+ALL = [(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
+IDS = [f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
 
 
 def test_every_kernel_has_a_case():
@@ -35,9 +51,10 @@ def test_every_kernel_has_a_case():
 
 
 def source_only(name: str):
-    """The target with its device-binary stage but without the runtime-library stage (no GPU here)."""
-    target = backends.get(name)
-    return dataclasses.replace(target, stages=tuple(s for s in target.stages if s.name != "lib"))
+    """The target building its CUDA source and cubin but no runtime library (no GPU here)."""
+    from backends.nvidia import without_library
+
+    return without_library(backends.get(name))
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +62,21 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")
 
 
-@pytest.mark.parametrize("case", sorted(CASES), ids=lambda c: f"{c[0]}.{c[1]}")
-def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, cache):
+@pytest.mark.parametrize("case, variant", ALL, ids=IDS)
+def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
     for name in ("sm90", "sm100"):
-        art = Compiler(source_only(name), cache).get(request(*case, CASES[case]))
+        art = Compiler(source_only(name), cache).get(request(*case, variant))
         source = art.file("cuda").read_text()
         cubin = art.file("cubin")
         assert "__global__" in source
         assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin for {case}"
-        if case == ("linear", "gemm"):  # the GEMM uses each architecture's tensor-core instructions
+        if case == ("linear", "gemm") and variant == CASES[case]:  # the GEMM uses each architecture's tensor-core instructions
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
 
 
-@pytest.mark.parametrize("case", sorted(CASES), ids=lambda c: f"{c[0]}.{c[1]}")
-def test_ascend_source_without_traps(case, cache):
-    art = Compiler(backends.get("ascend"), cache).get(request(*case, CASES[case]))
+@pytest.mark.parametrize("case, variant", ALL, ids=IDS)
+def test_ascend_source_without_traps(case, variant, cache):
+    art = Compiler(backends.get("ascend"), cache).get(request(*case, variant))
     source = art.file("ascend").read_text()
     assert "__global__" in source and "asc_" in source
     assert not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source), "a 2-D launch leaked into the NPU source"

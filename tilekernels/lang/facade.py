@@ -94,6 +94,15 @@ class Facade:
             return self.T.gemm(a, b, acc, transpose_B=True, clear_accum=clear_accum, mbar=barrier)
         return self.T.gemm(a, b, acc, transpose_B=True, clear_accum=clear_accum)
 
+    @staticmethod
+    def padded(width: int, threads: int) -> int:
+        """`width` rounded up to a multiple of `threads`: the width of the register tiles a vector region
+        reduces over. Layout inference (sm90/sm100) finds no layout for a reduced or fragment width that the
+        threads do not divide, so such bodies run over the padded width with the tail masked (loads fill the
+        reduction's identity, stores are predicated). Equal to `width` when the threads divide it: the edge
+        handling is then not emitted at all."""
+        return -(-width // threads) * threads
+
     def vec_rows(self, rows: int) -> int:
         """Rows of the vector tile one vector unit gets from an accumulator of `rows` rows."""
         return rows // 2 if self.traits.vector_halves else rows

@@ -1,8 +1,9 @@
 """Grouped (block-diagonal) output projection `o_a_proj`: each of g head groups is projected on its own
-(the linear kernel with `groups` = g)."""
+(the linear kernel with `groups` = g, on 3-D views so that a ragged tile edge stays inside its group)."""
 
 import torch
 
+from tilekernels import dtypes
 from tilekernels.op import OpDecl, require
 from tilekernels.ops import linear
 
@@ -18,11 +19,21 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, groups, din = x.shape
     require(weight.shape[1] == din and weight.shape[0] % groups == 0, "grouped_linear",
             f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")
+    require(x.dtype == weight.dtype, "grouped_linear", f"x is {x.dtype} but weight is {weight.dtype}")
     dout = weight.shape[0] // groups
-    y = linear.launch_gemm(launch.op("linear"), x.reshape(n, groups * din).contiguous(), weight.contiguous(),
-                           dout, din, groups)
-    return y.view(n, groups, dout)
+    v = linear.variant(n, dout, din, groups, dtypes.name(x.dtype))
+    if groups == 1:  # the plain 2-D kernel
+        return linear.gemm(launch.op("linear"), x.reshape(n, din).contiguous(), weight.contiguous(), v).view(n, 1, dout)
+    return linear.gemm(launch.op("linear"), x.contiguous(), weight.contiguous().view(groups, dout, din), v)
+
+
+def example(v: linear.Variant, rows: int, device) -> tuple:
+    """Reference args for a grouped `linear` variant: x [rows, g, k], weight [g * n, k]."""
+    dtype = dtypes.torch_dtype(v.dtype)
+    x = torch.randn(rows, v.groups, v.k, device=device).to(dtype)
+    return (x, (torch.randn(v.groups * v.n, v.k, device=device) / v.k**0.5).to(dtype))
 
 
 OP = OpDecl("grouped_linear", "block-diagonal per-group projection", reference,
-            tolerance=linear.OP.tolerance, run=run, uses=("linear",))
+            tolerance=linear.OP.tolerance, run=run, example=example, uses=("linear",),
+            row_samples=linear.OP.row_samples)

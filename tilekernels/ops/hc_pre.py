@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
+from tilekernels.op import Kernel, OpDecl, require
 
 
 def reference(
@@ -56,9 +56,17 @@ def body(P, v: Variant, cfg: Config):
     T = P.T
     N, H, dtype = v.hc, v.hidden, v.dtype
     KN, MIX = N * H, (2 + N) * N
-    BC, NC = tiles(KN, cfg.chunk, "hc_pre", "N*H")
-    BH, _ = tiles(H, cfg.chunk, "hc_pre", "H")
+    BC = min(cfg.chunk, P.padded(KN, cfg.threads))  # stream columns per step, a multiple of the threads
+    NC = -(-KN // BC)
+    RAGGED = KN % BC != 0  # the last chunk is partial: loads masked to 0 (adds nothing to the sums)
+    BH = min(cfg.chunk, H)  # collapse columns per step; a partial last step stores predicated
+    NH = -(-H // BH)
     M = T.dynamic("M")
+
+    def stream(s_io, c, j):  # stream column c*BC + j in fp32, 0 past the end
+        if not RAGGED:
+            return T.cast(s_io[c * BC + j], "float32")
+        return T.if_then_else(c * BC + j < KN, T.cast(s_io[T.min(c * BC + j, KN - 1)], "float32"), 0.0)
 
     def row_max(mix, scale, base, i):
         logit = [mix[2 * N + i * N + j] * scale[2] + base[2 * N + i * N + j] for j in range(N)]
@@ -107,17 +115,22 @@ def body(P, v: Variant, cfg: Config):
                         acc[o] = 0.0
                     ss[0] = 0.0
                 for c in T.serial(NC):
-                    T.copy(Fn[0:MIX, c * BC : (c + 1) * BC], f_io)
+                    if RAGGED:
+                        with P.vector(cfg.threads):
+                            for o, j in T.Parallel(MIX, BC):
+                                f_io[o, j] = T.if_then_else(c * BC + j < KN, Fn[o, T.min(c * BC + j, KN - 1)], 0.0)
+                    else:
+                        T.copy(Fn[0:MIX, c * BC : (c + 1) * BC], f_io)
                     with P.vector(cfg.threads):
                         prod = P.alloc_reg((MIX, BC), "float32")
                         part = P.alloc_reg((MIX,), "float32")
                         sq = P.alloc_reg((BC,), "float32")
                         tot = P.alloc_reg((1,), "float32")
                         for o, j in T.Parallel(MIX, BC):
-                            prod[o, j] = f_io[o, j] * T.cast(s_io[c * BC + j], "float32")
+                            prod[o, j] = f_io[o, j] * stream(s_io, c, j)
                         T.reduce_sum(prod, part, dim=1)
                         for j in T.Parallel(BC):
-                            sq[j] = T.cast(s_io[c * BC + j], "float32") * T.cast(s_io[c * BC + j], "float32")
+                            sq[j] = stream(s_io, c, j) * stream(s_io, c, j)
                         T.reduce_sum(sq, tot, dim=0)
                         for o in T.Parallel(MIX):
                             acc[o] = acc[o] + part[o]
@@ -152,21 +165,33 @@ def body(P, v: Variant, cfg: Config):
                             comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
                 T.copy(post_io, Post[row, 0:N])
                 T.copy(comb_io, Comb[row, 0 : N * N])
-                for hb in T.serial(H // BH):
-                    with P.vector(cfg.threads):
-                        for j in T.Parallel(BH):
-                            o_io[j] = T.cast(collapse(pre_io, s_io, hb * BH + j), dtype)
-                    T.copy(o_io, Out[row, hb * BH : (hb + 1) * BH])
+                for hb in T.serial(NH):
+                    if H % BH == 0:
+                        with P.vector(cfg.threads):
+                            for j in T.Parallel(BH):
+                                o_io[j] = T.cast(collapse(pre_io, s_io, hb * BH + j), dtype)
+                        T.copy(o_io, Out[row, hb * BH : (hb + 1) * BH])
+                    else:
+                        with P.vector(cfg.threads):
+                            for j in T.Parallel(BH):
+                                if hb * BH + j < H:
+                                    Out[row, hb * BH + j] = T.cast(collapse(pre_io, s_io, hb * BH + j), dtype)
 
     return kernel
 
 
-KERNEL = Kernel("hc_pre", body, configs={"default": Config(), "cpu": Config(chunk=64, threads=1)})
+KERNEL = Kernel("hc_pre", body, configs={"default": Config(), "c": Config(chunk=64, threads=1)})
+
+
+def variant(streams: torch.Tensor, sinkhorn_iters: int) -> Variant:
+    """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
+    _, n, h = streams.shape
+    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype))
 
 
 def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     m, n, h = streams.shape
-    v = Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype))
+    v = variant(streams, sinkhorn_iters)
     mix = (2 + n) * n
     require(fn.shape == (mix, n * h) and base.shape == (mix,) and scale.shape == (3,), "hc_pre",
             f"fn/base/scale must be [{mix}, {n * h}]/[{mix}]/[3], got {list(fn.shape)}/{list(base.shape)}/{list(scale.shape)}")
@@ -187,10 +212,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "hc_pre", "mHC mixes with Sinkhorn and stream collapse", reference,
-    kernels=(KERNEL,), variant=Variant,
-    signature=(Arg("streams", ("M", "hc*hidden"), "dtype"), Arg("fn", ("(2+hc)*hc", "hc*hidden"), "float32"),
-               Arg("post", ("M", "hc"), "float32", "out"), Arg("comb", ("M", "hc*hc"), "float32", "out"),
-               Arg("collapsed", ("M", "hidden"), "dtype", "out")),
+    kernels=(KERNEL,),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
     run=run, example=example,
 )

@@ -1,7 +1,15 @@
 """Dense linear layer without bias: y = x @ w^T, the bf16 GEMM of every projection.
 
 The kernel is a grouped GEMM: with `groups` g it computes g independent products side by side
-(C[:, i*N:(i+1)*N] = A[:, i*K:(i+1)*K] @ W[i*N:(i+1)*N]^T), which is also the grouped output projection.
+(C[:, i, :] = A[:, i, :] @ W[i]^T). With one group it sees plain 2-D tensors A (M, K), W (N, K), C (M, N);
+with more it sees 3-D views A (M, G, K), W (G, N, K), C (M, G, N), so that every dimension is bounds-checked
+on its own and a ragged tile edge neither reads the next group's rows nor writes its outputs.
+
+Any N and K: tiles keep the config's sizes (tensor-core shapes) and are launched ceil-div over N and K; the
+last tile of a dimension runs past the tensor and TileLang masks it (bound checks on SIMT copies, zero fill of
+TMA boxes), so the out-of-range K columns of both operands read as zero and out-of-range outputs are not
+stored. A dimension smaller than the tile gets a tile rounded up to a multiple of 16 instead (less waste, still
+a tensor-core shape). When N and K divide the tile no check is emitted: the big shapes cost nothing extra.
 """
 
 from dataclasses import dataclass, field
@@ -9,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
+from tilekernels.op import Kernel, OpDecl, require
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -23,7 +31,7 @@ class Variant:
     k: int  # input features per group
     dtype: str
     groups: int = 1
-    split_k: int = 1  # >1: each tile sums a slice of K into an fp32 workspace [split_k, M, G*N]
+    split_k: int = 1  # >1: each tile sums a slice of K into an fp32 workspace [split_k, M, G, N]
     narrow: bool = False  # few rows (decode): 64x64 tiles so that more programs share the weight stream
 
 
@@ -35,22 +43,44 @@ class Config:
     stages: int = 3
     threads: int = 128
     narrow_threads: int = 128  # 64-row tiles: four warps cover 64 rows of wgmma/mma
+    min_block_n: int = 16  # the narrowest N tile the target's MMA takes (sm_100a 64-row tcgen05 needs 64)
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+MIN_TILE = 16  # the smallest tile edge: a multiple of every tensor-core instruction's N and K granule
+
+
+def edge_tile(total: int, tile: int, smallest: int = MIN_TILE) -> tuple[int, int]:
+    """(block, count) covering `total` with ceil-div blocks of `tile`; when `total` is smaller than the tile, one
+    block of `total` rounded up to a multiple of `smallest` (never above `tile`). Shared with moe_experts."""
+    block = min(tile, -(-total // smallest) * smallest)
+    return block, -(-total // block)
+
+
+def shape(v: Variant, cfg: Config) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, n_tiles, block_k, k_tiles_per_split) of variant `v` built with `cfg`."""
+    BM = min(cfg.block_m, 64) if v.narrow else cfg.block_m
+    BN, NT = edge_tile(v.n, min(cfg.block_n, 64) if v.narrow else cfg.block_n, cfg.min_block_n)
+    BK, KB = edge_tile(v.k, cfg.block_k)
+    require(KB % v.split_k == 0, "linear", f"K={v.k} in {KB} tiles of {BK} cannot be split {v.split_k} ways")
+    return BM, BN, NT, BK, KB // v.split_k
 
 
 def body(P, v: Variant, cfg: Config):
     T = P.T
     N, K, G, SK, dtype = v.n, v.k, v.groups, v.split_k, v.dtype
-    BM = min(cfg.block_m, 64) if v.narrow else cfg.block_m
-    BN, NT = tiles(N, min(cfg.block_n, 64) if v.narrow else cfg.block_n, "linear", "N")
-    BK, KB = tiles(K, cfg.block_k, "linear", "K")
-    require(KB % SK == 0, "linear", f"K={K} in {KB} tiles of {BK} cannot be split {SK} ways")
-    KT = KB // SK
+    BM, BN, NT, BK, KT = shape(v, cfg)
     M = T.dynamic("M")
-    out_shape, out_dtype = ((SK, M, G * N), "float32") if SK > 1 else ((M, G * N), dtype)
+    out_dtype = "float32" if SK > 1 else dtype
+    split = (SK,) if SK > 1 else ()
+    grouped = G > 1
+    if grouped:
+        a_shape, w_shape, c_shape = (M, G, K), (G, N, K), split + (M, G, N)
+    else:
+        a_shape, w_shape, c_shape = (M, K), (N, K), split + (M, N)
 
     @T.prim_func
-    def kernel(A: T.Tensor((M, G * K), dtype), W: T.Tensor((G * N, K), dtype), C: T.Tensor(out_shape, out_dtype)):
+    def kernel(A: T.Tensor(a_shape, dtype), W: T.Tensor(w_shape, dtype), C: T.Tensor(c_shape, out_dtype)):
         MT = T.ceildiv(M, BM)
         with P.kernel(MT * NT * G * SK, cfg.narrow_threads if v.narrow else cfg.threads) as pid:
             a_op = P.alloc_operand((BM, BK), dtype)
@@ -62,23 +92,33 @@ def body(P, v: Variant, cfg: Config):
                 m0 = t // (SK * NT * G) * BM
                 n0 = (t // (SK * G)) % NT * BN
                 for kk in T.Pipelined(KT, num_stages=cfg.stages):
-                    T.copy(A[m0, g * K + (ks * KT + kk) * BK], a_op)
-                    T.copy(W[g * N + n0, (ks * KT + kk) * BK], b_op)
+                    k0 = (ks * KT + kk) * BK
+                    if grouped:
+                        T.copy(A[m0:m0 + BM, g, k0:k0 + BK], a_op)
+                        T.copy(W[g, n0:n0 + BN, k0:k0 + BK], b_op)
+                    else:
+                        T.copy(A[m0, k0], a_op)
+                        T.copy(W[n0, k0], b_op)
                     P.gemm(a_op, b_op, acc, clear_accum=kk == 0)
-                if SK > 1:
-                    P.store_acc(acc, C[ks, m0, g * N + n0])
+                if grouped and SK > 1:
+                    P.store_acc(acc, C[ks, m0:m0 + BM, g, n0:n0 + BN])
+                elif grouped:
+                    P.store_acc(acc, C[m0:m0 + BM, g, n0:n0 + BN])
+                elif SK > 1:
+                    P.store_acc(acc, C[ks, m0, n0])
                 else:
-                    P.store_acc(acc, C[m0, g * N + n0])
+                    P.store_acc(acc, C[m0, n0])
 
     return kernel
 
 
+_CPU = Config(block_m=16, block_n=16, block_k=16, stages=0, threads=1, narrow_threads=1)
 KERNEL = Kernel("gemm", body, configs={
     "default": Config(),
     "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256),  # benchmarks/tune_gemm.py
-    "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256),
+    "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
-    "cpu": Config(block_m=16, block_n=16, block_k=16, stages=0, threads=1, narrow_threads=1),
+    "c": _CPU,
 })
 
 
@@ -86,30 +126,30 @@ TARGET_PROGRAMS = 256  # split K until about this many programs run (small GEMMs
 ROW_BUCKETS = (64, 511)  # decode-sized (narrow tiles) | medium (split K) | large (plain)
 
 
-def plan(rows: int, n: int, k: int, groups: int = 1) -> tuple[bool, int]:
-    """(narrow, split_k) by row bucket, so a model needs three variants per projection at most: up to 64 rows
-    use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a power of two, each slice at least 256
-    deep) until there are enough programs; from 512 rows on, the row tiles alone are enough."""
+def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16") -> Variant:
+    """The one place the GEMM variant of a call is chosen, by row bucket, so a model needs three variants per
+    projection at most: up to 64 rows use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a
+    power of two, each slice at least 256 deep and a whole number of 64-wide K tiles) until there are enough
+    programs; from 512 rows on, the row tiles alone are enough. Ragged K never splits."""
     if rows > ROW_BUCKETS[1]:
-        return False, 1
+        return Variant(n, k, dtype, groups)
     narrow = rows <= ROW_BUCKETS[0]
-    tiles = (1 if narrow else 2) * max(1, n // (64 if narrow else 128)) * groups
+    programs = (1 if narrow else 2) * max(1, n // (64 if narrow else 128)) * groups
     split = 1
-    while tiles * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 256 and k % (split * 2 * 64) == 0:
+    while programs * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 256 and k % (split * 2 * 64) == 0:
         split *= 2
-    return narrow, split
+    return Variant(n, k, dtype, groups, split, narrow)
 
 
-def launch_gemm(launch, a: torch.Tensor, weight: torch.Tensor, n: int, k: int, groups: int) -> torch.Tensor:
-    """a [M, G*K] @ blockdiag(weight [G*N, K])^T -> [M, G*N] in a's dtype."""
-    rows = a.shape[0]
-    narrow, split = plan(rows, n, k, groups)
-    v = Variant(n=n, k=k, dtype=dtypes.name(a.dtype), groups=groups, split_k=split, narrow=narrow)
-    if split == 1:
-        y = torch.empty(rows, groups * n, dtype=a.dtype, device=a.device)
+def gemm(launch, a: torch.Tensor, weight: torch.Tensor, v: Variant) -> torch.Tensor:
+    """a [M, K] @ weight [N, K]^T -> [M, N] (groups 1), or a [M, G, K] with weight [G, N, K] -> [M, G, N]
+    (per-group products), in a's dtype; split K sums an fp32 workspace [split_k, ...] afterwards."""
+    out_shape = (*a.shape[:-1], v.n)
+    if v.split_k == 1:
+        y = torch.empty(out_shape, dtype=a.dtype, device=a.device)
         launch("gemm", v)(a, weight, y)
         return y
-    partial = torch.empty(split, rows, groups * n, dtype=torch.float32, device=a.device)
+    partial = torch.empty((v.split_k, *out_shape), dtype=torch.float32, device=a.device)
     launch("gemm", v)(a, weight, partial)
     return partial.sum(0).to(a.dtype)
 
@@ -118,19 +158,23 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     require(x.shape[-1] == weight.shape[1], "linear", f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     require(x.dtype == weight.dtype, "linear", f"x is {x.dtype} but weight is {weight.dtype}")
     n, k = weight.shape
-    y = launch_gemm(launch, x.reshape(-1, k).contiguous(), weight.contiguous(), n, k, 1)
+    a = x.reshape(-1, k).contiguous()
+    y = gemm(launch, a, weight.contiguous(), variant(a.shape[0], n, k, 1, dtypes.name(x.dtype)))
     return y.view(*x.shape[:-1], n)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
+    """Reference args of `linear` for a one-group variant: x [rows, k], weight [n, k] scaled to unit outputs.
+    Grouped variants are exercised through `grouped_linear.example`."""
+    if v.groups != 1:
+        raise ValueError(f"linear: a variant with groups={v.groups} runs through grouped_linear; use its example")
     dtype = dtypes.torch_dtype(v.dtype)
     return (torch.randn(rows, v.k, device=device).to(dtype), (torch.randn(v.n, v.k, device=device) / v.k**0.5).to(dtype))
 
 
 OP = OpDecl(
     "linear", "dense projection y = x @ W^T", reference,
-    kernels=(KERNEL,), variant=Variant,
-    signature=(Arg("x", ("M", "k"), "dtype"), Arg("weight", ("n", "k"), "dtype"), Arg("y", ("M", "n"), "dtype", "out")),
+    kernels=(KERNEL,),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
-    run=run, example=example,
+    run=run, example=example, row_samples=(ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
 )

@@ -5,6 +5,10 @@ Kernel path: the (token, slot) rows are sorted by expert into an expert-major la
 start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
 back per token.
+
+Any N and K: tiles keep their configured sizes and are launched ceil-div; the weight is a 3-D (E, N, K) tensor
+and the rows (MT*BM, K) / outputs (MT*BM, N) are 2-D, so every ragged edge is a tensor edge that TileLang
+masks (zero-filled loads, unstored outputs), the same way as in `linear`.
 """
 
 from dataclasses import dataclass, field
@@ -12,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
-from tilekernels.ops import swiglu
+from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.ops import linear, swiglu
 
 
 def reference(
@@ -58,14 +62,15 @@ class Config:
     block_k: int = 64
     stages: int = 3
     threads: int = 128
+    min_block_n: int = 16  # the narrowest N tile the target's MMA takes with BM rows (sm_100a, 64 rows: 64)
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 def body(P, v: Variant, cfg: Config):
     T = P.T
     N, K, E, BM, dtype = v.n, v.k, v.experts, v.block_m, v.dtype
-    BN, NT = tiles(N, cfg.block_n, "moe_experts", "N")
-    BK, KT = tiles(K, cfg.block_k, "moe_experts", "K")
+    BN, NT = linear.edge_tile(N, cfg.block_n, cfg.min_block_n)
+    BK, KT = linear.edge_tile(K, cfg.block_k)
     MT = T.dynamic("MT")  # M tiles (padded rows / BM)
 
     @T.prim_func
@@ -88,11 +93,12 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
+_CPU = Config(block_n=16, block_k=16, stages=0, threads=1)
 KERNEL = Kernel("grouped_gemm", body, configs={
     "default": Config(),
-    "sm100": Config(block_n=128, block_k=64, stages=3, threads=128),
+    "sm100": Config(block_n=128, block_k=64, stages=3, threads=128, min_block_n=64),
     "ascend": Config(block_n=128, block_k=64, stages=2, threads=0),
-    "cpu": Config(block_n=16, block_k=16, stages=0, threads=1),
+    "c": _CPU,
 })
 BLOCK_M = 64
 
@@ -119,34 +125,48 @@ def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, 
     return dest, tiles
 
 
+def variant(n: int, k: int, experts: int, dtype: str) -> Variant:
+    """The variant of one expert GEMM (n output features, k input features): gate_up is
+    variant(2I, H, E, dtype), down is variant(H, I, E, dtype)."""
+    return Variant(n, k, experts, dtype, BLOCK_M)
+
+
 def run(launch, x, weights, indices, gate_up, down, limit):
+    """Meta-tensor safe: no host reads of tensor values (the layout's tile count is a static bound)."""
     n_tok, hidden = x.shape
     experts, two_i, _ = gate_up.shape
     inter = two_i // 2
-    require(gate_up.shape[2] == hidden and down.shape == (experts, hidden, inter), "moe_experts",
+    require(gate_up.shape[2] == hidden and tuple(down.shape) == (experts, hidden, inter), "moe_experts",
             f"gate_up must be [E, 2I, {hidden}] and down [E, {hidden}, I]; got {list(gate_up.shape)}, {list(down.shape)}")
     require(x.dtype == gate_up.dtype == down.dtype, "moe_experts", f"x, gate_up, down dtypes differ: "
             f"{x.dtype}, {gate_up.dtype}, {down.dtype}")
     dtype = dtypes.name(x.dtype)
-    dest, tiles = layout(indices, experts, BLOCK_M)
-    total = tiles.numel() * BLOCK_M
+    up_v, down_v = variant(two_i, hidden, experts, dtype), variant(hidden, inter, experts, dtype)
+    dest, tiles = layout(indices, experts, up_v.block_m)
+    total = tiles.numel() * up_v.block_m
     token_of = torch.arange(n_tok, device=x.device).repeat_interleave(indices.shape[1])
     rows = torch.empty(total, hidden, dtype=x.dtype, device=x.device)  # padding rows' results are never read
     rows[dest] = x[token_of]
     h = torch.empty(total, two_i, dtype=x.dtype, device=x.device)
-    launch("grouped_gemm", Variant(two_i, hidden, experts, dtype, BLOCK_M))(rows, gate_up, tiles, h)
+    launch("grouped_gemm", up_v)(rows, gate_up.contiguous(), tiles, h)
     a = swiglu.run(launch.op("swiglu"), h, limit)
     y = torch.empty(total, hidden, dtype=x.dtype, device=x.device)
-    launch("grouped_gemm", Variant(hidden, inter, experts, dtype, BLOCK_M))(a, down, tiles, y)
+    launch("grouped_gemm", down_v)(a, down.contiguous(), tiles, y)
     out = torch.zeros(n_tok, hidden, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y[dest].float() * weights.reshape(-1, 1).float())
     return out.to(x.dtype)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
-    """Reference args for a token batch of `rows` on a layer with v.experts experts (v.n = 2I, v.k = H)."""
+    """Reference args for a token batch of `rows` on a layer with v.experts experts (v.n = 2I, v.k = H; the
+    down variant (H, I) is the same layer read the other way round, so both give the layer's args). Routing
+    is random top-k over min(6, E/2) experts: per-expert row counts are ragged and some experts get none."""
     dtype = dtypes.torch_dtype(v.dtype)
-    inter, hidden, top_k = v.n // 2, v.k, 6 if v.experts >= 6 else 1
+    if v.n % 2 == 0:
+        inter, hidden = v.n // 2, v.k
+    else:  # only a down variant can have an odd n (= H)
+        inter, hidden = v.k, v.n
+    top_k = max(1, min(6, v.experts // 2))
     x = torch.randn(rows, hidden, device=device).to(dtype)
     scores = torch.rand(rows, v.experts, device=device)
     indices = scores.topk(top_k, dim=-1).indices
@@ -158,9 +178,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "moe_experts", "grouped expert GEMMs (gate_up, clipped SwiGLU, down) with weighted combine", reference,
-    kernels=(KERNEL,), variant=Variant,
-    signature=(Arg("rows", ("MT*block_m", "k"), "dtype"), Arg("weight", ("experts", "n", "k"), "dtype"),
-               Arg("tile_expert", ("MT",), "int32"), Arg("out", ("MT*block_m", "n"), "dtype", "out")),
+    kernels=(KERNEL,),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 3e-2)},
     run=run, example=example, uses=("swiglu",),
 )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl, require
 
 SCORINGS = ("sqrtsoftplus", "sigmoid")
 
@@ -64,6 +64,7 @@ class Config:
 def body(P, v: Variant, cfg: Config):
     T = P.T
     E, K, dtype = v.experts, v.top_k, v.dtype
+    EP = P.padded(E, cfg.threads)  # register width; the padding never wins a max and weighs 0
     M = T.dynamic("M")
     V = T.dynamic("V")
 
@@ -71,6 +72,12 @@ def body(P, v: Variant, cfg: Config):
         if v.scoring == "sigmoid":
             return 1.0 / (1.0 + T.exp(-x))
         return T.sqrt(T.if_then_else(x > 20.0, x, T.log(1.0 + T.exp(x))))
+
+    def real(j, value, pad):  # `value` for a real expert, `pad` in the padding (no code when E == EP)
+        return value if EP == E else T.if_then_else(j < E, value, pad)
+
+    def at(j):  # an in-bounds index into the E-wide staging tiles
+        return j if EP == E else T.min(j, E - 1)
 
     @T.macro
     def route(L, Bias, Ids, Table, Wt, Idx, scale):
@@ -84,25 +91,25 @@ def body(P, v: Variant, cfg: Config):
             for row in P.tiles(M, pid):
                 T.copy(L[row, 0:E], l_io)
                 with P.vector(cfg.threads):
-                    sc = P.alloc_reg((E,), "float32")
-                    sel = P.alloc_reg((E,), "float32")
-                    cand = P.alloc_reg((E,), "float32")
+                    sc = P.alloc_reg((EP,), "float32")
+                    sel = P.alloc_reg((EP,), "float32")
+                    cand = P.alloc_reg((EP,), "float32")
                     red = P.alloc_reg((1,), "float32")
                     tot = P.alloc_reg((1,), "float32")
-                    for j in T.Parallel(E):
-                        sc[j] = activate(T.cast(l_io[j], "float32"))
+                    for j in T.Parallel(EP):
+                        sc[j] = real(j, activate(T.cast(l_io[at(j)], "float32")), 0.0)
                         if not v.hashed:
-                            sel[j] = sc[j] + b_io[j]
+                            sel[j] = real(j, sc[j] + b_io[at(j)], -T.infinity("float32"))
                     tot[0] = 0.0
                     for r in T.serial(K):
                         if v.hashed:
                             red[0] = T.cast(Table[Ids[row], r], "float32")
                         else:
                             T.reduce_max(sel, red, dim=0)
-                            for j in T.Parallel(E):
-                                cand[j] = T.if_then_else(sel[j] == red[0], T.cast(j, "float32"), T.cast(E, "float32"))
+                            for j in T.Parallel(EP):
+                                cand[j] = T.if_then_else(sel[j] == red[0], T.cast(j, "float32"), T.cast(EP, "float32"))
                             T.reduce_min(cand, red, dim=0)
-                        for j in T.Parallel(E):
+                        for j in T.Parallel(EP):
                             cand[j] = T.if_then_else(T.cast(j, "float32") == red[0], sc[j], 0.0)
                             if not v.hashed:
                                 sel[j] = T.if_then_else(T.cast(j, "float32") == red[0], -T.infinity("float32"), sel[j])
@@ -128,17 +135,22 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
-KERNEL = Kernel("moe_gate", body, configs={"default": Config(), "cpu": Config(threads=1)})
+KERNEL = Kernel("moe_gate", body, configs={"default": Config(), "c": Config(threads=1)})
+
+
+def variant(logits: torch.Tensor, top_k: int, scoring: str, tid2eid: torch.Tensor | None = None) -> Variant:
+    """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
+    require(scoring in SCORINGS, "moe_gate", f"scoring {scoring!r} is not supported; accepted: {', '.join(SCORINGS)}")
+    return Variant(experts=logits.shape[-1], top_k=top_k, scoring=scoring, dtype=dtypes.name(logits.dtype),
+                   hashed=tid2eid is not None)
 
 
 def run(launch, logits, top_k, scoring, routed_scaling, bias=None, hash_ids=None, tid2eid=None):
-    hashed = tid2eid is not None
-    require(scoring in SCORINGS, "moe_gate", f"scoring {scoring!r} is not supported; accepted: {', '.join(SCORINGS)}")
-    v = Variant(experts=logits.shape[-1], top_k=top_k, scoring=scoring, dtype=dtypes.name(logits.dtype), hashed=hashed)
+    v = variant(logits, top_k, scoring, tid2eid)
     rows = logits.reshape(-1, v.experts).contiguous()
     weights = torch.empty(rows.shape[0], top_k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows.shape[0], top_k, dtype=torch.int32, device=logits.device)
-    if hashed:
+    if v.hashed:
         launch("moe_gate", v)(rows, hash_ids.reshape(-1).to(torch.int32), tid2eid.to(torch.int32), weights, indices,
                               float(routed_scaling))
     else:
@@ -158,9 +170,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "moe_gate", "MoE gating: sqrtsoftplus/sigmoid top-k with bias, or hash routing", reference,
-    kernels=(KERNEL,), variant=Variant,
-    signature=(Arg("logits", ("M", "experts"), "dtype"), Arg("bias", ("experts",), "float32"),
-               Arg("weights", ("M", "top_k"), "float32", "out"), Arg("indices", ("M", "top_k"), "int32", "out")),
+    kernels=(KERNEL,),
     tolerance={"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)},
     run=run, example=example,
 )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl, require
 
 
 def reference(
@@ -84,22 +84,29 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
-KERNEL = Kernel("rope", body, configs={"default": Config(), "cpu": Config(threads=1)})
+KERNEL = Kernel("rope", body, configs={"default": Config(), "c": Config(threads=1)})
+
+
+def variant(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> Variant:
+    """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
+    heads = 1 if x.dim() == 2 else x.shape[-2]
+    v = Variant(heads=heads, dim=x.shape[-1], rope_dim=2 * inv_freq.shape[0], dtype=dtypes.name(x.dtype), inverse=inverse)
+    require(v.rope_dim <= v.dim, "rope", f"the rotated width {v.rope_dim} exceeds the head dim {v.dim}")
+    return v
 
 
 def run(launch, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0,
         inverse: bool = False) -> torch.Tensor:
-    heads = 1 if x.dim() == 2 else x.shape[-2]
-    v = Variant(heads=heads, dim=x.shape[-1], rope_dim=2 * inv_freq.shape[0], dtype=dtypes.name(x.dtype), inverse=inverse)
-    require(v.rope_dim <= v.dim, "rope", f"the rotated width {v.rope_dim} exceeds the head dim {v.dim}")
-    rows = x.reshape(-1, heads, v.dim).contiguous()
+    v = variant(x, inv_freq, inverse)
+    rows = x.reshape(-1, v.heads, v.dim).contiguous()
     y = torch.empty_like(rows)
     launch("rope", v)(rows, positions.to(torch.int32), inv_freq.float().contiguous(), y, float(attention_factor))
     return y.view(x.shape)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
-    x = torch.randn(rows, v.heads, v.dim, device=device).to(dtypes.torch_dtype(v.dtype))
+    shape = (rows, v.dim) if v.heads == 1 else (rows, v.heads, v.dim)  # a single K=V head comes as [N, D]
+    x = torch.randn(*shape, device=device).to(dtypes.torch_dtype(v.dtype))
     pos = torch.randint(0, 65536, (rows,), device=device)
     inv = 1.0 / (10000 ** (torch.arange(0, v.rope_dim, 2, device=device).float() / v.rope_dim))
     return (x, pos, inv, 1.0, v.inverse)
@@ -107,9 +114,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "rope", "partial interleaved RoPE on the trailing dims (and its inverse)", reference,
-    kernels=(KERNEL,), variant=Variant,
-    signature=(Arg("x", ("M", "heads", "dim"), "dtype"), Arg("positions", ("M",), "int32"),
-               Arg("inv_freq", ("rope_dim/2",), "float32"), Arg("y", ("M", "heads", "dim"), "dtype", "out")),
+    kernels=(KERNEL,),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 2e-2)},
     run=run, example=example,
 )

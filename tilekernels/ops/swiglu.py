@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Arg, Kernel, OpDecl, require, tiles
+from tilekernels.op import Kernel, OpDecl, require
 
 
 def reference(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -31,8 +31,14 @@ class Config:
 def body(P, v: Variant, cfg: Config):
     T = P.T
     I, dtype = v.inter, v.dtype
-    B, NB = tiles(I, cfg.block, "swiglu", "I")
+    B = min(cfg.block, I)
+    NB = -(-I // B)  # the last block is partial when B does not divide I
     M = T.dynamic("M")
+
+    def act(g, u, limit):
+        g = T.min(g, limit)
+        u = T.max(T.min(u, limit), -limit)
+        return g / (1.0 + T.exp(-g)) * u
 
     @T.prim_func
     def kernel(GU: T.Tensor((M, 2 * I), dtype), Y: T.Tensor((M, I), dtype), limit: T.float32):
@@ -42,24 +48,34 @@ def body(P, v: Variant, cfg: Config):
             for t in P.tiles(M * NB, pid):
                 row = t // NB
                 col = (t % NB) * B
-                T.copy(GU[row, col : col + B], g_io)
-                T.copy(GU[row, I + col : I + col + B], u_io)
-                with P.vector(cfg.threads):
-                    for j in T.Parallel(B):
-                        g = T.min(T.cast(g_io[j], "float32"), limit)
-                        u = T.max(T.min(T.cast(u_io[j], "float32"), limit), -limit)
-                        g_io[j] = T.cast(g / (1.0 + T.exp(-g)) * u, dtype)
-                T.copy(g_io, Y[row, col : col + B])
+                if I % B == 0:
+                    T.copy(GU[row, col : col + B], g_io)
+                    T.copy(GU[row, I + col : I + col + B], u_io)
+                    with P.vector(cfg.threads):
+                        for j in T.Parallel(B):
+                            g_io[j] = T.cast(act(T.cast(g_io[j], "float32"), T.cast(u_io[j], "float32"), limit), dtype)
+                    T.copy(g_io, Y[row, col : col + B])
+                else:  # ragged tail: element-wise straight from/to global memory, predicated on the real width
+                    with P.vector(cfg.threads):
+                        for j in T.Parallel(B):
+                            if col + j < I:
+                                Y[row, col + j] = T.cast(act(T.cast(GU[row, col + j], "float32"),
+                                                             T.cast(GU[row, I + col + j], "float32"), limit), dtype)
 
     return kernel
 
 
-KERNEL = Kernel("swiglu", body, configs={"default": Config(), "cpu": Config(threads=1)})
+KERNEL = Kernel("swiglu", body, configs={"default": Config(), "c": Config(threads=1)})
+
+
+def variant(gate_up: torch.Tensor) -> Variant:
+    """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
+    return Variant(inter=gate_up.shape[-1] // 2, dtype=dtypes.name(gate_up.dtype))
 
 
 def run(launch, gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    inter = gate_up.shape[-1] // 2
-    v = Variant(inter=inter, dtype=dtypes.name(gate_up.dtype))
+    v = variant(gate_up)
+    inter = v.inter
     require(gate_up.shape[-1] % 2 == 0 and gate_up.is_contiguous(), "swiglu",
             f"gate_up must be contiguous with an even last dim, got {list(gate_up.shape)}")
     rows = gate_up.reshape(-1, 2 * inter)
@@ -74,8 +90,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "swiglu", "clipped SwiGLU activation", reference,
-    kernels=(KERNEL,), variant=Variant,
-    signature=(Arg("gate_up", ("M", "2*inter"), "dtype"), Arg("y", ("M", "inter"), "dtype", "out")),
+    kernels=(KERNEL,),
     tolerance={"float32": (1e-5, 1e-5), "bfloat16": (3e-2, 2e-2)},
     run=run, example=example,
 )

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from deepinfer.errors import RequestError
-from deepinfer.recipe import SERVED_MODEL_NAME, EncodedPrompt, OutputProcessor, Recipe
-from deepinfer.sampling import SamplingParams
-from deepinfer.structured import Constraint, from_output_constraint, from_so_args
+from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, OutputProcessor, Recipe
+from deepinfer.runtime.sampling import SamplingParams
+from deepinfer.serving.structured import Constraint, from_output_constraint, from_so_args
 
 APIS = {"chat.completions": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 URLS = {v: k for k, v in APIS.items()}

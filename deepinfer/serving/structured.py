@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from deepinfer.errors import RequestError
-from deepinfer.tool_grammar import tool_call_tag, tools_of
+from deepinfer.serving.tool_grammar import tool_call_tag, tools_of
 
 SO_ARGS_KINDS = ("json_schema", "regex", "ebnf")
 THINK_END = "</think>"

@@ -21,7 +21,7 @@ def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path) 
     """The (op, kernel, variant) items `cfg` needs that the target's manifest does not list."""
     from codegen.compiler import variant_dict
     from codegen.driver import read_manifest
-    from deepinfer.kernel_plan import kernel_plan
+    from deepinfer.compile.plan import kernel_plan
 
     def key(op: str, kernel: str, variant: dict) -> tuple[str, str, str]:
         return op, kernel, json.dumps(variant, sort_keys=True)

@@ -9,13 +9,13 @@ from typing import Callable
 
 import torch
 
-from deepinfer.cache import PagedCache
+from deepinfer.runtime.cache import PagedCache
 from deepinfer.model.model import DeepseekV4
-from deepinfer.request import Request, RequestOutput
+from deepinfer.runtime.request import Request, RequestOutput
 from deepinfer.runtime.graph import DecodeGraphs
-from deepinfer.sampling import sample
-from deepinfer.scheduler import DecodeStep, PrefillStep, Scheduler, SchedulerConfig
-from deepinfer.structured import Grammars, apply_masks
+from deepinfer.runtime.sampling import sample
+from deepinfer.runtime.scheduler import DecodeStep, PrefillStep, Scheduler, SchedulerConfig
+from deepinfer.serving.structured import Grammars, apply_masks
 
 
 @dataclass

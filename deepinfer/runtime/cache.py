@@ -17,20 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.config import CSA, ModelConfig
-from deepinfer.errors import ConfigError, RequestError
+from deepinfer.config import ModelConfig
+from deepinfer.errors import RequestError
+from deepinfer.runtime.cache_layout import CacheLayout, CacheSpec, CompressorLayout, LayerLayout, Region
 
-
-@dataclass(frozen=True)
-class CacheSpec:
-    num_blocks: int
-    max_seqs: int
-    max_blocks_per_seq: int  # block-table width: the longest sequence is max_blocks_per_seq * block_tokens
-    block_tokens: int = 128  # a multiple of every compression rate, so block boundaries close every window
-
-    @property
-    def max_tokens(self) -> int:
-        return self.max_blocks_per_seq * self.block_tokens
+__all__ = ["CacheLayout", "CacheSpec", "Compressor", "CompressorLayout", "LayerCache", "LayerLayout", "PagedCache",
+           "Region", "SeqCache"]
 
 
 @dataclass
@@ -44,98 +36,78 @@ class SeqCache:
 
 @dataclass
 class Compressor:
-    """One compressor's tensors (views into the cache's storage)."""
+    """One compressor's tensors, allocated from (and indexed through) its layout."""
 
-    rate: int
-    overlap: bool
+    layout: CompressorLayout
+    store: torch.Tensor  # [rows, dim]: the entries (the layer's pool for the main compressor, its keys for the indexer)
     buf_kv: torch.Tensor  # [slots + 1, rate, width]
     buf_gate: torch.Tensor  # [slots + 1, rate, width] (gate without the position bias)
-    entries: torch.Tensor  # [blocks + 1, entries_per_block, d] (a view into the layer's pool for the main one)
-    ov_kv: torch.Tensor | None = None  # [slots + 1, rate, d]: the last closed window's first series
-    ov_gate: torch.Tensor | None = None  # [slots + 1, rate, d] fp32, position bias included
+    ov_kv: torch.Tensor | None = None  # [slots + 1, rate, dim]: the last closed window's first series
+    ov_gate: torch.Tensor | None = None  # [slots + 1, rate, dim] fp32, position bias included
 
     @property
-    def per_block(self) -> int:
-        return self.entries.shape[1]
+    def rate(self) -> int:
+        return self.layout.rate
+
+    @property
+    def overlap(self) -> bool:
+        return self.layout.overlap
+
+    @classmethod
+    def allocate(cls, layout: CompressorLayout, store: torch.Tensor, device: torch.device | str) -> Compressor:
+        def alloc(r: Region | None) -> torch.Tensor | None:
+            return None if r is None else r.slot_view(r.allocate(device))
+
+        return cls(layout, store, alloc(layout.buf_kv), alloc(layout.buf_gate), alloc(layout.ov_kv),
+                   alloc(layout.ov_gate))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate) if t is not None]
 
 
 @dataclass
 class LayerCache:
+    layout: LayerLayout
     pool: torch.Tensor  # [(slots + 1) * W + (blocks + 1) * per_block, D]: window rings, then entries
     ring: torch.Tensor  # view [slots + 1, W, D]
     compressor: Compressor | None = None
     indexer: Compressor | None = None
 
-    @property
-    def entry_base(self) -> int:
-        """Pool row of the first entry row."""
-        return self.ring.shape[0] * self.ring.shape[1]
-
-
-def block_bytes(cfg: ModelConfig, block_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes per block, bytes per slot) of the cache for `cfg`."""
-    elt = torch.tensor([], dtype=dtype).element_size()
-    d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
-    per_block = per_slot = 0
-    for i, kind in enumerate(cfg.layer_types):
-        rate = cfg.compress_rate(i)
-        per_slot += w * d * elt
-        if rate:
-            width = 2 * d if kind == CSA else d
-            per_block += block_tokens // rate * d * elt
-            per_slot += 2 * rate * width * elt + (rate * d * (elt + 4) if kind == CSA else 0)
-        if kind == CSA:
-            per_block += block_tokens // rate * di * elt
-            per_slot += 2 * rate * 2 * di * elt + rate * di * (elt + 4)
-    return per_block, per_slot
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding state (the main entries live inside the pool)."""
+        out = [self.pool]
+        for c in (self.compressor, self.indexer):
+            if c is not None:
+                out += c.tensors()
+        if self.indexer is not None:
+            out.append(self.indexer.store)
+        return out
 
 
 class PagedCache:
     def __init__(self, cfg: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str):
-        for rate in {cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}:
-            if spec.block_tokens % rate:
-                raise ConfigError(f"block_tokens={spec.block_tokens} must be a multiple of the compression rate {rate}")
         self.cfg, self.spec, self.dtype, self.device = cfg, spec, dtype, torch.device(device)
-        slots, blocks, w, d = spec.max_seqs + 1, spec.num_blocks + 1, cfg.sliding_window, cfg.head_dim
+        self.layout = CacheLayout.build(cfg, spec, dtype)
         self.layers: list[LayerCache] = []
-        for i, kind in enumerate(cfg.layer_types):
-            rate = cfg.compress_rate(i)
-            per_block = spec.block_tokens // rate if rate else 0
-            pool = torch.zeros(slots * w + blocks * per_block, d, dtype=dtype, device=device)
-            layer = LayerCache(pool=pool, ring=pool[: slots * w].view(slots, w, d))
-            if rate:
-                width = 2 * d if kind == CSA else d
-                layer.compressor = self._compressor(rate, kind == CSA, width, d, pool[slots * w :].view(blocks, per_block, d))
-            if kind == CSA:
-                di = cfg.index_head_dim
-                keys = torch.zeros(blocks, per_block, di, dtype=dtype, device=device)
-                layer.indexer = self._compressor(rate, True, 2 * di, di, keys)
+        for lay in self.layout.layers:
+            pool = lay.pool.allocate(device)
+            layer = LayerCache(lay, pool, lay.pool.slot_view(pool))
+            if lay.compressor is not None:
+                layer.compressor = Compressor.allocate(lay.compressor, pool, device)
+            if lay.indexer is not None:
+                layer.indexer = Compressor.allocate(lay.indexer, lay.keys.allocate(device), device)
             self.layers.append(layer)
         self._free_slots = list(range(spec.max_seqs - 1, -1, -1))
         self._free_blocks = list(range(spec.num_blocks - 1, -1, -1))
 
-    def _compressor(self, rate: int, overlap: bool, width: int, d: int, entries: torch.Tensor) -> Compressor:
-        slots = self.spec.max_seqs + 1
-        comp = Compressor(
-            rate=rate,
-            overlap=overlap,
-            buf_kv=torch.zeros(slots, rate, width, dtype=self.dtype, device=self.device),
-            buf_gate=torch.zeros(slots, rate, width, dtype=self.dtype, device=self.device),
-            entries=entries,
-        )
-        if overlap:
-            comp.ov_kv = torch.zeros(slots, rate, d, dtype=self.dtype, device=self.device)
-            comp.ov_gate = torch.zeros(slots, rate, d, dtype=torch.float32, device=self.device)
-        return comp
-
     # ---- accounting ----------------------------------------------------------------------------
     @property
     def scratch_slot(self) -> int:
-        return self.spec.max_seqs
+        return self.layout.scratch_slot
 
     @property
     def scratch_block(self) -> int:
-        return self.spec.num_blocks
+        return self.layout.scratch_block
 
     @property
     def free_blocks(self) -> int:
@@ -195,15 +167,7 @@ class PagedCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor holding state (views excluded: the main entries live inside each layer's pool)."""
-        out = []
-        for layer in self.layers:
-            out.append(layer.pool)
-            for c in (layer.compressor, layer.indexer):
-                if c is not None:
-                    out += [t for t in (c.buf_kv, c.buf_gate, c.ov_kv, c.ov_gate) if t is not None]
-            if layer.indexer is not None:
-                out.append(layer.indexer.entries)
-        return out
+        return [t for layer in self.layers for t in layer.tensors()]
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

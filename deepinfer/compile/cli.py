@@ -8,7 +8,9 @@ from pathlib import Path
 
 import click
 
-TARGETS = ("sm90", "sm100", "ascend", "cpu")
+import backends
+
+TARGETS = backends.COMPILE_TARGETS
 
 
 @click.command("compile")
@@ -20,14 +22,16 @@ TARGETS = ("sm90", "sm100", "ascend", "cpu")
 @click.option("--jobs", type=int, default=None, help="Parallel builds [default: CPU count, at most 8].")
 @click.option("--ops", default=None, help="Comma-separated op names to build (default: every op the model needs).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
-              help="Activation dtype of the variants; auto = float32 for cpu, bfloat16 otherwise.")
+              help="Activation dtype of the variants; auto = the target's default (float32 for c, bfloat16 otherwise).")
 def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype) -> None:
     """Lower and build the kernels a model needs for one target, into the artifact cache + manifest."""
     from deepinfer.env import Env
     from deepinfer.errors import DeepInferError
 
-    if target not in TARGETS:
-        raise click.BadParameter(f"unknown target {target!r}; accepted: {', '.join(TARGETS)}", param_hint="--target")
+    try:
+        backends.compile_target(target)
+    except backends.BackendError as exc:
+        raise click.BadParameter(str(exc), param_hint="--target") from exc
     try:
         _compile(target, model_dir, Path(out_dir) if out_dir else Env.read().cache_dir, jobs, ops, dtype)
     except DeepInferError as exc:
@@ -37,12 +41,12 @@ def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype) -> None:
 def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
     from deepinfer.config import ModelConfig
     from deepinfer.errors import ConfigError
-    from deepinfer.kernel_plan import kernel_plan
-    from deepinfer.prebuild import build_kernels
+    from deepinfer.compile.plan import kernel_plan
+    from deepinfer.compile.prebuild import build_kernels
     from deepinfer.tiny import tiny_config
 
     cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
-    dtype = ("float32" if target == "cpu" else "bfloat16") if dtype == "auto" else dtype
+    dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
     items = kernel_plan(cfg, dtype)
     if ops:
         wanted = [o.strip() for o in ops.split(",") if o.strip()]

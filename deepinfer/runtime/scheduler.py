@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from deepinfer.cache import PagedCache
+from deepinfer.runtime.cache import PagedCache
 from deepinfer.errors import ConfigError
-from deepinfer.request import Request
+from deepinfer.runtime.request import Request
 
 
 @dataclass(frozen=True)

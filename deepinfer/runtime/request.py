@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.cache import SeqCache
-from deepinfer.recipe import EncodedPrompt, OutputProcessor
-from deepinfer.sampling import SamplingParams
+from deepinfer.runtime.cache import SeqCache
+from deepinfer.serving.recipe import EncodedPrompt, OutputProcessor
+from deepinfer.runtime.sampling import SamplingParams
 
 
 @dataclass(eq=False)  # compared by identity: the scheduler's list lookups stay cheap

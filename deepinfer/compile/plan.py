@@ -1,0 +1,69 @@
+"""The kernels a DeepSeek-V4 model needs, derived by running it: prefill and decode run once on meta tensors
+(no memory, no compute) through every op's own `run` with a recording launcher, at each row count where an op
+declares its variant changes (`OpDecl.row_samples`). What `run` would launch is what the plan builds: there is
+no second list of variants to keep in step with the ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer.config import ModelConfig
+
+Item = tuple[str, str, Any]  # (op, kernel, variant)
+META = torch.device("meta")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sample_rows() -> tuple[int, ...]:
+    """Row counts to trace: 1 and every op's declared variant boundaries."""
+    from tilekernels.ops import DECLARED
+
+    return tuple(sorted({1}.union(*(op.row_samples for op in DECLARED.values()))))
+
+
+def kernel_plan(cfg: ModelConfig, dtype: str = "bfloat16") -> list[Item]:
+    """Every (op, kernel, variant) the forward passes of `cfg` launch, without duplicates, in launch order."""
+    from tilekernels.kernels import Recorder
+
+    recorder = Recorder()
+    trace(cfg, dtype, recorder, sample_rows())
+    return list(recorder.seen)
+
+
+def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context: int = 1024) -> None:
+    """Run, on meta tensors, a prefill of n tokens and a decode step of n sequences (each `context` positions
+    deep) for every n in `rows`, launching kernels through `launcher`."""
+    from deepinfer.model.decode import DecodeInputs
+    from deepinfer.model.model import DeepseekV4
+    from deepinfer.runtime.cache import CacheSpec, PagedCache
+    from tilekernels.kernels import table
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported by the kernels; accepted: {', '.join(DTYPES)}")
+    model = DeepseekV4(cfg, meta_weights(cfg, DTYPES[dtype]), table(launcher))
+    for n in rows:
+        per_seq = -(-max(n, context + 1) // 128)
+        cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq),
+                           DTYPES[dtype], META)
+        seq = cache.admit()
+        cache.grow(seq, n)
+        model.prefill(cache, torch.zeros(n, dtype=torch.long, device=META), torch.zeros(n, dtype=torch.long, device=META),
+                      [(seq, 0, n)])
+        step = DecodeInputs(
+            ids=torch.zeros(n, dtype=torch.long, device=META),
+            positions=torch.zeros(n, dtype=torch.long, device=META),
+            slots=torch.zeros(n, dtype=torch.long, device=META),
+            blocks=torch.zeros(n, per_seq, dtype=torch.long, device=META),
+        )
+        model.decode(cache, step)
+
+
+def meta_weights(cfg: ModelConfig, dtype: torch.dtype):
+    """The model's weights as meta tensors of their real shapes and dtypes."""
+    from deepinfer.model.weights import FP32, INT, ModelWeights, tensor_specs
+
+    kinds = {FP32: torch.float32, INT: torch.long}
+    return ModelWeights.from_tensors(cfg, {name: torch.empty(spec.shape, dtype=kinds.get(spec.kind, dtype), device=META)
+                                           for name, spec in tensor_specs(cfg).items()})

@@ -1,0 +1,65 @@
+"""Which target a run uses, and what that gives the runtime: the device, the op table (TileLang kernels of the
+target, or the PyTorch references), and the decode-graph capture. Every fact comes from the target's data
+(`backends`); the `--backend` name is resolved once, here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import backends
+from deepinfer.env import Env
+from deepinfer.errors import ConfigError
+from tilekernels import OpTable
+
+BACKENDS = backends.TARGET_NAMES + tuple(backends.ALIASES)  # what --backend accepts
+
+
+@dataclass(frozen=True)
+class Backend:
+    target: backends.Target
+    device: torch.device
+    ops: OpTable
+    capture: Callable[[Callable[[], Any]], tuple[Any, Callable[[], Any]]] | None  # None: decode runs eagerly
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    @property
+    def kernel_target(self) -> str | None:
+        """The compile target whose kernels run (None: PyTorch references)."""
+        return self.target.name if self.target.kernels else None
+
+    def memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the device, when the target can tell."""
+        return None if self.target.memory is None else self.target.memory(self.device)
+
+
+def resolve(name: str | None, env: Env | None = None) -> backends.Target:
+    """`name` (a target or an alias), else DEEPINFER_ACCELERATOR, else the detected target."""
+    env = env or Env.read()
+    try:
+        return backends.resolve(name if name is not None else env.accelerator)
+    except backends.BackendError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def select(name: str | None, cache_dir: Path, env: Env | None = None) -> Backend:
+    target = resolve(name, env)
+    if target.kernels:
+        from tilekernels.kernels import kernel_table
+
+        ops = kernel_table(target.name, cache_dir)
+    else:
+        from tilekernels import reference_table
+
+        ops = reference_table()
+    try:
+        capture = target.graphs() if target.graphs is not None else None
+    except ImportError as exc:
+        raise ConfigError(f"backend {target.name!r} needs {target.needs}: {exc}") from exc
+    return Backend(target, torch.device(target.device_type), ops, capture)

@@ -1,0 +1,270 @@
+"""The paged cache's layout: one frozen object, computed once from (ModelConfig, CacheSpec, dtype), that holds
+every cache tensor's shape, dtype and bytes per slot and per block, and does all the row arithmetic on them
+(window ring rows, compressed-entry rows through a block table, the rows a closing window writes). The model
+asks it for rows; `PagedCache` allocates from it; cache sizing reads its bytes.
+
+Row methods are pure torch ops with static shapes and no host reads, so that decode can be captured in a graph
+and traced on meta tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from deepinfer.config import CSA, ModelConfig
+from deepinfer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    num_blocks: int
+    max_seqs: int
+    max_blocks_per_seq: int  # block-table width: the longest sequence is max_blocks_per_seq * block_tokens
+    block_tokens: int = 128  # a multiple of every compression rate, so block boundaries close every window
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_blocks_per_seq * self.block_tokens
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class Region:
+    """One cache tensor: `slot_rows` rows per slot (every slot's first), then `block_rows` rows per block; each
+    row is `row`-shaped. Slot `slots - 1` and block `blocks - 1` are the scratch ones."""
+
+    name: str
+    dtype: torch.dtype
+    row: tuple[int, ...]
+    slot_rows: int
+    block_rows: int
+    slots: int  # including the scratch slot
+    blocks: int  # including the scratch block
+
+    @property
+    def block_start(self) -> int:
+        """Row of block 0's first row (after every slot's rows)."""
+        return self.slots * self.slot_rows
+
+    @property
+    def rows(self) -> int:
+        return self.block_start + self.blocks * self.block_rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The allocated (flat) shape: [rows, *row]."""
+        return (self.rows, *self.row)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row) * _elt(self.dtype)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_rows * self.row_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_rows * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def allocate(self, device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+    def slot_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The per-slot part of an allocated tensor as [slots, slot_rows, *row]."""
+        return t[: self.block_start].view(self.slots, self.slot_rows, *self.row)
+
+
+@dataclass(frozen=True)
+class CompressorLayout:
+    """One compressor's geometry: open-window buffers per slot (kv, gate: [slots, rate, width]), CSA overlap per
+    slot (kv in the cache dtype, gate fp32: [slots, rate, dim]), and `per_block` entries per block, stored from
+    row `base` of its store (the layer's pool for the main compressor, its own key tensor for the indexer)."""
+
+    rate: int
+    overlap: bool
+    width: int  # buffer width: 2 * dim with overlap (two series per token), else dim
+    dim: int  # entry width
+    per_block: int
+    base: int  # store row of block 0's first entry
+    scratch_block: int
+    buf_kv: Region
+    buf_gate: Region
+    ov_kv: Region | None
+    ov_gate: Region | None
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return tuple(r for r in (self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate) if r is not None)
+
+    # ---- rows (pure torch ops, static shapes, no host syncs) ----
+    def buffer_index(self, slots: torch.Tensor | int, positions: torch.Tensor) -> tuple:
+        """Index of position `positions`' place in the open-window buffers of `slots`."""
+        return slots, positions % self.rate
+
+    def closing(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where the token at `positions` closes a window."""
+        return (positions + 1) % self.rate == 0
+
+    def closed(self, positions: torch.Tensor) -> torch.Tensor:
+        """How many windows are closed once `positions` is in (the entries a query there may see)."""
+        return (positions + 1) // self.rate
+
+    def closing_entry(self, positions: torch.Tensor) -> torch.Tensor:
+        """The entry that closes at `positions` (where one closes; 0 before the first)."""
+        return torch.clamp((positions + 1) // self.rate - 1, min=0)
+
+    def table_entries(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Every entry index a block table [B, max_blocks] spans: [B, max_blocks * per_block]."""
+        n = blocks.shape[-1] * self.per_block
+        return torch.arange(n, device=blocks.device).view(1, -1).expand(blocks.shape[0], -1)
+
+    def entry_rows(self, blocks: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Store rows of entry indices `entries` (>= 0) of sequences with block tables `blocks` (same rank)."""
+        pb = self.per_block
+        return self.base + blocks.gather(-1, entries // pb) * pb + entries % pb
+
+    def picked_rows(self, blocks: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+        """Store rows of entry indices `picks` [B, K], -1 kept as -1."""
+        rows = self.entry_rows(blocks, picks.clamp(min=0))
+        return torch.where(picks >= 0, rows, torch.full_like(rows, -1))
+
+    @property
+    def scratch_row(self) -> int:
+        return self.base + self.scratch_block * self.per_block
+
+    def close_rows(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Store rows that one new token per row [B] writes its pooled entry to: the closing entry's row where a
+        window closes, the scratch block's elsewhere."""
+        rows = self.entry_rows(blocks, self.closing_entry(positions).view(-1, 1)).view(-1)
+        return torch.where(self.closing(positions), rows, torch.full_like(rows, self.scratch_row))
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One layer's geometry: the K=V pool (each slot's window ring of `window` rows, then the compressed entries
+    of each block), the compressors, and the indexer's key store."""
+
+    index: int
+    kind: str
+    window: int
+    head_dim: int
+    pool: Region
+    compressor: CompressorLayout | None
+    indexer: CompressorLayout | None
+    keys: Region | None  # the indexer's key store
+
+    @property
+    def entry_base(self) -> int:
+        """Pool row of the first entry row."""
+        return self.pool.block_start
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        out = [self.pool]
+        for c in (self.compressor, self.indexer):
+            if c is not None:
+                out += c.regions
+        if self.keys is not None:
+            out.append(self.keys)
+        return tuple(out)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(r.slot_bytes for r in self.regions)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(r.block_bytes for r in self.regions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    # ---- rows (pure torch ops, static shapes, no host syncs) ----
+    def window_rows(self, slots: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
+        """Pool rows holding positions `positions` in the window rings of `slots` (broadcast)."""
+        return slots * self.window + positions % self.window
+
+    def attend_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, window] pool rows of the window a query at `positions` [B] sees (positions - window + 1 ..
+        positions), -1 before position 0."""
+        win = positions.view(-1, 1) + torch.arange(-self.window + 1, 1, device=positions.device).view(1, -1)
+        rows = self.window_rows(slots.view(-1, 1), win)
+        return torch.where(win >= 0, rows, torch.full_like(win, -1))
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The whole cache's structure for (config, spec, dtype): per layer, every tensor's shape, dtype and bytes per
+    slot and per block, and the row arithmetic on them. `PagedCache` allocates from it."""
+
+    spec: CacheSpec
+    dtype: torch.dtype
+    layers: tuple[LayerLayout, ...]
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, spec: CacheSpec, dtype: torch.dtype) -> CacheLayout:
+        for rate in sorted({cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)} - {0}):
+            if spec.block_tokens % rate:
+                raise ConfigError(f"block_tokens={spec.block_tokens} must be a multiple of the compression rate {rate}")
+        slots, blocks = spec.max_seqs + 1, spec.num_blocks + 1
+        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+        layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            rate = cfg.compress_rate(i)
+            per_block = spec.block_tokens // rate if rate else 0
+            pool = Region(f"layers.{i}.pool", dtype, (d,), w, per_block, slots, blocks)
+
+            def comp(name: str, overlap: bool, dim: int, base: int) -> CompressorLayout:
+                width = 2 * dim if overlap else dim
+                region = partial(Region, slot_rows=rate, block_rows=0, slots=slots, blocks=blocks)
+                return CompressorLayout(
+                    rate=rate, overlap=overlap, width=width, dim=dim, per_block=per_block, base=base,
+                    scratch_block=blocks - 1, buf_kv=region(f"{name}.buf_kv", dtype, (width,)),
+                    buf_gate=region(f"{name}.buf_gate", dtype, (width,)),
+                    ov_kv=region(f"{name}.ov_kv", dtype, (dim,)) if overlap else None,
+                    ov_gate=region(f"{name}.ov_gate", torch.float32, (dim,)) if overlap else None,
+                )
+
+            compressor = comp(f"layers.{i}.compressor", kind == CSA, d, pool.block_start) if rate else None
+            indexer = keys = None
+            if kind == CSA:
+                indexer = comp(f"layers.{i}.indexer", True, di, 0)
+                keys = Region(f"layers.{i}.indexer.keys", dtype, (di,), 0, per_block, slots, blocks)
+            layers.append(LayerLayout(i, kind, w, d, pool, compressor, indexer, keys))
+        return cls(spec, dtype, tuple(layers))
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.spec.max_seqs
+
+    @property
+    def scratch_block(self) -> int:
+        return self.spec.num_blocks
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (window rings, compressor buffers, overlap state) over every layer."""
+        return sum(layer.slot_bytes for layer in self.layers)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (compressed entries and indexer keys) over every layer."""
+        return sum(layer.block_bytes for layer in self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole cache, scratch slot and block included."""
+        return sum(layer.nbytes for layer in self.layers)

@@ -1,0 +1,176 @@
+"""The GEMM kernels (linear, grouped_linear, moe_experts) take every N and K a DeepSeek-V4 config can produce:
+ragged edges are masked, not refused. Numerics run fp32 on TileLang's `c` target through each op's `run` and
+`example`; the edge test calls the kernel on NaN-guarded buffers to show that out-of-range K columns read as
+zero and out-of-range outputs are not written; a few representative variants lower for sm_90a, sm_100a and
+Ascend (compile only here)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import backends
+from codegen import Compiler
+from tilekernels.kernels import Launcher, kernel_table, request
+from tilekernels.ops import DECLARED, grouped_linear, linear, moe_experts
+
+LINEAR = [(20, 48), (144, 20), (48, 24), (6, 48), (36, 48), (48, 18), (301, 48), (36, 20), (3, 48), (28, 40),
+          (100, 28), (20, 40), (40, 30), (5, 40), (40, 14), (257, 40), (40, 40), (50, 28)]
+GROUPED = [(2, 12, 72), (5, 6, 20)]  # (groups, n, k)
+EXPERTS = [(36, 48, 6), (48, 18, 6), (28, 40, 5), (40, 14, 5)]  # (n = 2I, k = H, experts) of gate_up / down
+ROWS = (1, 3, 17, 65, 300)  # both row buckets the c target sees (narrow up to 64 rows, wide above)
+TOL = DECLARED["linear"].tolerance["float32"]
+C_TARGET = "c"  # TileLang's c target
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("gemm-shapes")
+
+
+@pytest.fixture(scope="module")
+def ops(cache):
+    return kernel_table(C_TARGET, cache)
+
+
+@pytest.fixture(scope="module")
+def launch(cache):
+    return Launcher(Compiler(backends.get(C_TARGET), cache)).for_op("linear")
+
+
+def close(got, want, tol=TOL):
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
+
+
+@pytest.mark.parametrize("n, k", LINEAR, ids=lambda s: str(s))
+def test_linear_any_shape(n, k, ops):
+    torch.manual_seed(n * 1000 + k)
+    for rows in ROWS:
+        args = linear.example(linear.variant(rows, n, k, 1, "float32"), rows, "cpu")
+        close(ops.linear(*args), linear.reference(*args))
+
+
+@pytest.mark.parametrize("groups, n, k", GROUPED, ids=lambda s: str(s))
+def test_grouped_linear_any_shape(groups, n, k, ops):
+    torch.manual_seed(groups * 1000 + n)
+    for rows in ROWS:
+        args = grouped_linear.example(linear.variant(rows, n, k, groups, "float32"), rows, "cpu")
+        close(ops.grouped_linear(*args), grouped_linear.reference(*args))
+
+
+@pytest.mark.parametrize("n, k, experts", EXPERTS, ids=lambda s: str(s))
+def test_moe_experts_any_shape(n, k, experts, ops):
+    torch.manual_seed(n + k + experts)
+    tol = DECLARED["moe_experts"].tolerance["float32"]
+    for rows in (1, 17, 65):
+        args = moe_experts.example(moe_experts.variant(n, k, experts, "float32"), rows, "cpu")
+        close(ops.moe_experts(*args), moe_experts.reference(*args), tol)
+
+
+def guarded(shape, fill=float("nan")):
+    """A contiguous tensor of `shape` followed in memory by a guard region of `fill`: a read past its end sees
+    NaN, a write past its end changes the guard."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    storage = torch.full((numel + 4096,), fill)
+    return storage[:numel].view(shape), storage[numel:]
+
+
+@pytest.mark.parametrize("n, k, groups, split", [
+    (20, 40, 1, 1), (301, 48, 1, 1), (40, 14, 1, 1),  # ragged N and/or K in one tile, several tiles
+    (20, 40, 1, 3), (144, 20, 1, 2),  # split K: the last slice runs past K
+    (12, 72, 2, 1), (6, 20, 5, 2), (12, 72, 2, 5),  # groups: an edge must not reach the next group
+], ids=str)
+def test_ragged_edges_are_zero_filled_and_masked(n, k, groups, split, launch):
+    """The kernel called directly on NaN-guarded inputs: reads past K (or past the last row) would bring NaN
+    into the sums, writes past N (or into the next group) would change the guard or a neighbour's outputs."""
+    torch.manual_seed(n + k + groups + split)
+    v = linear.Variant(n, k, "float32", groups=groups, split_k=split)
+    for rows in (3, 17):
+        a, _ = guarded((rows, groups, k) if groups > 1 else (rows, k))
+        w, _ = guarded((groups, n, k) if groups > 1 else (n, k))
+        a.copy_(torch.randn(a.shape))
+        w.copy_(torch.randn(w.shape) / k**0.5)
+        out_shape = ((split,) if split > 1 else ()) + (rows,) + ((groups,) if groups > 1 else ()) + (n,)
+        c, guard = guarded(out_shape, fill=12345.0)
+        launch("gemm", v)(a, w, c)
+        assert torch.all(guard == 12345.0), "the kernel wrote past its output"
+        got = c.sum(0) if split > 1 else c
+        want = torch.einsum("mgk,gnk->mgn", a.view(rows, groups, k), w.view(groups, n, k)).view(got.shape)
+        close(got, want)
+
+
+class Recorder:
+    """A launcher on meta tensors: records (op, kernel, variant) and returns a no-op kernel."""
+
+    def __init__(self, calls=None, op="linear"):
+        self.calls, self.name = ([] if calls is None else calls), op
+
+    def __call__(self, kernel, variant):
+        self.calls.append((self.name, kernel, variant))
+        return lambda *args: None
+
+    def op(self, name):
+        return Recorder(self.calls, name)
+
+
+def test_run_works_on_meta_tensors_and_launches_the_variant_function():
+    rec = Recorder()
+    y = linear.run(rec, *linear.example(linear.Variant(20, 48, "bfloat16"), 5, "meta"))
+    assert y.shape == (5, 20) and y.device.type == "meta"
+    y = grouped_linear.run(rec.op("grouped_linear"), *grouped_linear.example(
+        linear.Variant(6, 20, "bfloat16", groups=5), 300, "meta"))
+    assert y.shape == (300, 5, 6)
+    y = moe_experts.run(rec.op("moe_experts"), *moe_experts.example(moe_experts.variant(36, 48, 6, "bfloat16"), 17,
+                                                                    "meta"))
+    assert y.shape == (17, 48)
+    gemms = [c for c in rec.calls if c[1] in ("gemm", "grouped_gemm")]
+    assert gemms == [
+        ("linear", "gemm", linear.variant(5, 20, 48, 1, "bfloat16")),
+        ("linear", "gemm", linear.variant(300, 6, 20, 5, "bfloat16")),
+        ("moe_experts", "grouped_gemm", moe_experts.variant(36, 48, 6, "bfloat16")),
+        ("moe_experts", "grouped_gemm", moe_experts.variant(48, 18, 6, "bfloat16")),
+    ]
+
+
+def test_v4_flash_shapes_keep_their_tiles():
+    """Edge handling changes no tile of a shape that divides it (the sm90 tiles are the tuned ones)."""
+    sm90, sm100 = linear.KERNEL.config("sm90"), linear.KERNEL.config("sm100")
+    assert linear.shape(linear.variant(4096, 32768, 1024), sm90) == (256, 128, 256, 64, 16)
+    assert linear.shape(linear.variant(4096, 1024, 4096, 8), sm90) == (256, 128, 8, 64, 64)
+    assert linear.shape(linear.variant(1, 1024, 4096), sm90) == (64, 64, 16, 64, 4)  # narrow, split 16
+    assert linear.variant(1, 1024, 4096).split_k == 16
+    assert linear.shape(linear.variant(4096, 129280, 4096), sm100) == (128, 128, 1010, 64, 64)
+    assert linear.variant(300, 20, 48) == linear.Variant(20, 48, "bfloat16")  # ragged K never splits
+
+
+def cuda_source_only(name):
+    from backends.nvidia import without_library
+
+    return without_library(backends.get(name))
+
+
+LOWERED = [
+    ("linear", "gemm", linear.Variant(40, 14, "bfloat16", narrow=True)),
+    ("linear", "gemm", linear.Variant(6, 20, "bfloat16", groups=5)),
+    ("linear", "gemm", linear.Variant(8, 64, "bfloat16", narrow=True)),  # sm_100a: 64-row tcgen05 needs N % 64
+    ("linear", "gemm", linear.Variant(32, 128, "bfloat16", groups=2, narrow=True)),
+    ("moe_experts", "grouped_gemm", moe_experts.variant(48, 18, 6, "bfloat16")),
+]
+
+
+@pytest.mark.parametrize("case", LOWERED, ids=lambda c: f"{c[0]}-{c[2]}")
+def test_ragged_variants_lower_for_every_target(case, cache):
+    for name in ("sm90", "sm100"):
+        art = Compiler(cuda_source_only(name), cache).get(request(*case))
+        source = art.file("cuda").read_text()
+        assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source), f"{name}: no tensor-core MMA"
+        cubin = art.file("cubin")
+        assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin"
+    art = Compiler(backends.get("ascend"), cache).get(request(*case))
+    source = art.file("ascend").read_text()
+    assert "asc_" in source and not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source)
