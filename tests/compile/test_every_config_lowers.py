@@ -4,6 +4,8 @@ ascend and c, in the target's default dtype. (Numerics: tests/tilekernels run th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import backends
@@ -27,7 +29,11 @@ def lower_all(name: str, items: list[tuple]) -> list[str]:
     target, failed = backends.get(name), []
     for op, kernel, variant in items:
         try:
-            assert tl.lower_source(request(op, kernel, variant).build(target), target).strip()
+            source = tl.lower_source(request(op, kernel, variant).build(target), target)
+            assert source.strip()
+            # kernels.md trap 2: a 2-D launch emits blockIdx.y, which the NPU does not have (wrong code, no error)
+            assert target.traits.launch != "persistent" or not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source), \
+                "a 2-D launch leaked into a persistent-launch target's source"
         except Exception as exc:  # collect every failure, not just the first
             failed.append(f"{op}.{kernel}[{variant}]: {str(exc).strip().splitlines()[-1][:200]}")
     return failed

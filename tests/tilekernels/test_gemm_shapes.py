@@ -6,7 +6,6 @@ Ascend (compile only here)."""
 
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
@@ -164,13 +163,11 @@ LOWERED = [
 
 
 @pytest.mark.parametrize("case", LOWERED, ids=lambda c: f"{c[0]}-{c[2]}")
-def test_ragged_variants_lower_for_every_target(case, cache):
+def test_ragged_variants_build_cubins_with_tensor_cores(case, cache):
     for name in ("sm90", "sm100"):
         art = Compiler(cuda_source_only(name), cache).get(request(*case))
         source = art.file("cuda").read_text()
         assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source), f"{name}: no tensor-core MMA"
         cubin = art.file("cubin")
         assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin"
-    art = Compiler(backends.get("ascend"), cache).get(request(*case))
-    source = art.file("ascend").read_text()
-    assert "asc_" in source and not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source)
+    # Ascend: tests/compile/test_every_config_lowers.py lowers every ragged GEMM of the odd configs (traps checked)

@@ -74,8 +74,9 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
 
 
-@pytest.mark.parametrize("case, variant", ALL, ids=IDS)
+@pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])
 def test_ascend_source_without_traps(case, variant, cache):
+    """V4-Flash widths here; the odd widths of every config's plan: tests/compile/test_every_config_lowers.py."""
     art = Compiler(backends.get("ascend"), cache).get(request(*case, variant))
     source = art.file("ascend").read_text()
     assert "__global__" in source and "asc_" in source
