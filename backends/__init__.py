@@ -21,6 +21,7 @@ _REGISTRY = {  # name -> (module, attribute), imported on first use; the order i
 TARGET_NAMES = tuple(_REGISTRY)
 COMPILE_TARGETS = ("sm90", "sm100", "ascend", "c")  # the targets with kernels (asserted in tests)
 ALIASES = {"cpu": ("reference",), "nvidia": ("sm90", "sm100")}  # --backend spellings: candidates, first present wins
+BACKEND_NAMES = TARGET_NAMES + tuple(ALIASES)  # what --backend accepts
 
 
 def get(name: str) -> Target:
@@ -51,7 +52,7 @@ def resolve(name: str | None) -> Target:
         raise BackendError(f"backend {name!r} needs {' or '.join(t.needs for t in candidates)}, and none is visible; "
                            f"use --backend cpu")
     if name not in _REGISTRY:
-        raise BackendError(f"unknown backend {name!r}; accepted: {', '.join(TARGET_NAMES + tuple(ALIASES))}")
+        raise BackendError(f"unknown backend {name!r}; accepted: {', '.join(BACKEND_NAMES)}")
     target = get(name)
     if not target.present():
         raise BackendError(f"backend {name!r} needs {target.needs}, and none is visible; use --backend cpu")
@@ -68,5 +69,5 @@ def detect() -> Target:
     return get("reference")
 
 
-__all__ = ["ALIASES", "BackendError", "COMPILE_TARGETS", "Stage", "StageContext", "Target", "Traits", "TARGET_NAMES",
+__all__ = ["ALIASES", "BACKEND_NAMES", "BackendError", "COMPILE_TARGETS", "Stage", "StageContext", "Target", "Traits", "TARGET_NAMES",
            "compile_target", "detect", "get", "resolve"]

@@ -62,12 +62,12 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
             per_block, per_slot = unit.block_bytes, unit.slot_bytes
             free, _ = memory
             budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
-            if budget < per_block:
+            if budget < 2 * per_block:  # one block and the scratch block
                 raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
                                   f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
                                   f"{per_slot / 2**20:.0f} MiB, 2 GiB for activations; lower --max-num-seqs or set "
                                   f"--num-blocks")
-            num_blocks = min(num_blocks, budget // per_block)
+            num_blocks = min(num_blocks, budget // per_block - 1)  # the cache adds a scratch block
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
     return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens)

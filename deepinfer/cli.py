@@ -82,7 +82,7 @@ def run() -> None:
               help="Compute dtype of the weights; auto = the target's default (float32 on the CPU, bfloat16 on GPUs/NPUs).")
 @click.option("--output", "output", default="-", show_default=True, help="Output file, or - for stdout.")
 @click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default="text", show_default=True)
-@click.option("--backend", type=click.Choice(list(backends.TARGET_NAMES + tuple(backends.ALIASES))), default=None,
+@click.option("--backend", type=click.Choice(list(backends.BACKEND_NAMES)), default=None,
               help="A target: sm90 / sm100 (TileLang kernels + CUDA graphs), ascend (TileLang kernels through "
                    "torch_npu), c (TileLang's c target on the CPU, fp32, for checking kernels), reference (PyTorch "
                    "reference ops); or an alias: cpu = reference, nvidia = the SM of the visible GPU [default: "

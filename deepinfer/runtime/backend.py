@@ -15,8 +15,6 @@ from deepinfer.env import Env
 from deepinfer.errors import ConfigError
 from tilekernels import OpTable
 
-BACKENDS = backends.TARGET_NAMES + tuple(backends.ALIASES)  # what --backend accepts
-
 
 @dataclass(frozen=True)
 class Backend:
