@@ -8,14 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
-import torch
-
 from deepinfer.runtime.backend import select as select_backend
-from deepinfer.runtime.cache import CacheLayout, CacheSpec, PagedCache
+from deepinfer.runtime.cache import PagedCache
 from deepinfer.config import ModelConfig
 from deepinfer.runtime.engine import Engine, RunStats
-from deepinfer.env import Env
-from deepinfer.errors import ConfigError, RequestError
+from deepinfer.env import Env, check_writable_dir
+from deepinfer.errors import RequestError
 from deepinfer.model.model import DeepseekV4
 from deepinfer.model.weights import ModelWeights, tensor_specs
 from deepinfer.runtime.graph import DecodeGraphs
@@ -24,53 +22,13 @@ from deepinfer.runtime.scheduler import SchedulerConfig
 from deepinfer.serving.structured import THINK_END, Constraint, Grammars, from_so_args
 from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
-from deepinfer.runtime.request import Request, RequestOutput
+from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
+from deepinfer.options import cache_spec, check_cache_memory, check_options, host_memory, model_len, resolve_dtype
 
 log = logging.getLogger("deepinfer")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PromptInput = Union[str, dict]
-
-
-def resolve_dtype(name: str, default: str = "float32") -> torch.dtype:
-    """'auto' is the target's default dtype (float32 on the CPU paths, bfloat16 on accelerators); otherwise one
-    of DTYPES."""
-    if name == "auto":
-        return DTYPES[default]
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-DEFAULT_MAX_MODEL_LEN = 8192
-
-
-def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
-               num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128) -> CacheSpec:
-    """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
-    `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else enough for every slot at full length."""
-    limit = min(cfg.max_position_embeddings, max_model_len or DEFAULT_MAX_MODEL_LEN)
-    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
-        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                          f"({cfg.max_position_embeddings})")
-    per_seq = -(-limit // block_tokens)
-    if num_blocks is None:
-        num_blocks = max_seqs * per_seq
-        if memory is not None:
-            unit = CacheLayout.build(cfg, CacheSpec(0, max_seqs, per_seq, block_tokens), dtype)
-            per_block, per_slot = unit.block_bytes, unit.slot_bytes
-            free, _ = memory
-            budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
-            if budget < 2 * per_block:  # one block and the scratch block
-                raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
-                                  f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
-                                  f"{per_slot / 2**20:.0f} MiB, 2 GiB for activations; lower --max-num-seqs or set "
-                                  f"--num-blocks")
-            num_blocks = min(num_blocks, budget // per_block - 1)  # the cache adds a scratch block
-    if num_blocks < 1:
-        raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
-    return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens)
 
 
 class LLM:
@@ -95,6 +53,8 @@ class LLM:
         random_seed: int = 0,
         show_progress: bool = False,
     ):
+        check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
+                      gpu_memory_utilization, random_seed)
         env = Env.read()
         model = model if model is not None else env.hf_model_dir
         self.model_dir = Path(model) if model is not None else None
@@ -102,15 +62,30 @@ class LLM:
         self.backend = select_backend(backend, env.cache_dir, env)
         torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         if self.model_dir is None:
-            from deepinfer.tiny import random_tensors, tiny_config
+            from deepinfer.tiny import tiny_config
 
             cfg = tiny_config()
+        else:
+            cfg = ModelConfig.from_model_dir(self.model_dir)
+        self.config = cfg
+        self.max_model_len = model_len(cfg, max_model_len)
+        # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
+        self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
+        memory = self.backend.memory()
+        if num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
+            probe = cache_spec(cfg, None, torch_dtype, max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization)
+            check_cache_memory(probe, cfg, torch_dtype, host_memory() if memory is None else memory[1],
+                               "host memory available" if memory is None else "device memory")
+        if self.backend.kernel_target is not None:
+            check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
+        if self.model_dir is None:
+            from deepinfer.tiny import random_tensors
+
             tensors = random_tensors(cfg, seed=random_seed, dtype=torch_dtype)
             self.mtp_tensors: dict[str, Any] = {}
         else:
             from deepinfer.weights.loader import load_checkpoint
 
-            cfg = ModelConfig.from_model_dir(self.model_dir)
             bar = _progress_bar(show_progress, "loading weights", total=len(tensor_specs(cfg)))
             ckpt = load_checkpoint(self.model_dir, cfg, torch_dtype, progress=None if bar is None else bar.update)
             if bar is not None:
@@ -119,7 +94,6 @@ class LLM:
             self.mtp_tensors = ckpt.mtp
             if ckpt.mtp:
                 log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(ckpt.mtp))
-        self.config = cfg
         if self.backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
             prebuild(self.backend.kernel_target, cfg, str(torch_dtype).removeprefix("torch."), env.cache_dir,
                      show_progress)
@@ -128,73 +102,104 @@ class LLM:
         self.model = DeepseekV4(cfg, weights, self.backend.ops)
         self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.memory(), torch_dtype, max_num_seqs, max_model_len,
                                                 num_blocks, gpu_memory_utilization), torch_dtype, device)
-        self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
         graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.backend.capture)
         self.engine = Engine(self.model, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), graphs,
-                             self.grammars)
+                             self.grammars, max_len=self.max_model_len)
         self.last_stats: RunStats | None = None
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
+        on_output: Callable[[RequestOutput | RequestFailure], None] | None = None,
+        errors: str = "raise",
+    ) -> list[RequestOutput | RequestFailure]:
         """Generate for raw-text prompts (str or {"prompt": ...}), chats ({"messages": [...]}) or token ids
         ({"token_ids": [...]}). A dict may also set "thinking" (chat only), "so_args" (structured output: one
-        of json_schema, regex, ebnf) and "max_reasoning_tokens" (a thinking budget)."""
-        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        prepared = [self._prepare(item) for item in items]
-        return self._run(prepared, _expand_params(sampling_params, len(prepared)), use_tqdm)
+        of json_schema, regex, ebnf) and "max_reasoning_tokens" (a thinking budget, thinking only).
+
+        Results come back in input order; `on_output(result)` is also called with each one as soon as it is
+        final (in completion order). `errors="raise"` raises RequestError for the first invalid prompt before
+        anything runs; `errors="return"` gives a RequestFailure in that prompt's place and runs the others."""
+        items = _prompt_list(prompts)
+        return self._generate(items, _expand_params(sampling_params, len(items)), use_tqdm, on_output, errors)
 
     def chat(
         self,
         messages: Sequence[dict] | Sequence[Sequence[dict]] | dict,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         thinking: bool = False,
         so_args: dict | None = None,
         api: str = "chat.completions",
         use_tqdm: bool = True,
-    ) -> list[RequestOutput] | list[RequestOutput | APIError]:
+        on_output: Callable[[RequestOutput | RequestFailure], None] | None = None,
+        errors: str = "raise",
+    ) -> list[RequestOutput | RequestFailure] | list[RequestOutput | APIError]:
         """Replies to one conversation (a list of message dicts) or to several (a list of those); or, given a
         whole request body (a dict with "model"), the API's response to it (`api`: chat.completions,
         responses or messages)."""
         if isinstance(messages, dict):
-            return self.serve([{"api": api, "body": messages}], use_tqdm=use_tqdm)
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        items = [{"messages": list(c), "thinking": thinking, **({"so_args": so_args} if so_args else {})}
-                 for c in conversations]
-        prepared = [self._prepare(item) for item in items]
-        return self._run(prepared, _expand_params(sampling_params, len(prepared)), use_tqdm)
+            return self.serve([{"api": api, "body": messages}], use_tqdm=use_tqdm, on_output=on_output)
+        items = [{"messages": c, "thinking": thinking, **({"so_args": so_args} if so_args is not None else {})}
+                 for c in _conversations(messages)]
+        return self._generate(items, _expand_params(sampling_params, len(items)), use_tqdm, on_output, errors)
 
     def serve(self, lines: Sequence[dict], *, stream: bool = False, use_tqdm: bool = True,
-              on_chunk: Callable[[str, dict], None] | None = None) -> list[RequestOutput | APIError]:
+              on_chunk: Callable[[str, dict], None] | None = None,
+              on_output: Callable[[RequestOutput | APIError], None] | None = None) -> list[RequestOutput | APIError]:
         """Requests in the APIs' own shapes (OpenAI batch lines: {"custom_id", "url" or "api", "body"}). Each
         result is a RequestOutput whose `response` is the API's response object (with `stream`, `chunks` is its
         stream, each chunk also passed to `on_chunk(custom_id, chunk)` as soon as it is produced), or an
-        APIError with the API's error body; an invalid request does not stop the others."""
+        APIError with the API's error body; an invalid request does not stop the others. `on_output` is
+        called with each result as soon as it is final (errors first, then in completion order)."""
+        if isinstance(lines, (str, bytes, dict)) or not isinstance(lines, Sequence):
+            raise RequestError(f"serve() takes a list of request lines, got {type(lines).__name__}")
         results: list[RequestOutput | APIError | None] = []
-        runnable: list[tuple[int, APIRequest, Prepared]] = []
+        entries: list[_Entry] = []
         for i, line in enumerate(lines):
             converted = convert(self.recipe, line, i, self.engine.max_len, stream, self.served_names,
-                                lambda ids, n, c, i=i: self._validate(i, ids, n, c), on_chunk)
+                                self._validate, on_chunk)
             if isinstance(converted, APIRequest):
-                runnable.append((i, converted, Prepared(converted.prompt, None, converted.constraint,
-                                                        converted.thinking, converted.reasoning_budget)))
+                prep = Prepared(converted.prompt, None, converted.constraint, converted.thinking,
+                                converted.reasoning_budget)
+                entries.append(_Entry(i, prep, converted.params, converted.output, converted.custom_id))
+            elif on_output is not None:
+                on_output(converted)
             results.append(converted if isinstance(converted, APIError) else None)
-        outputs = self._run([p for _, _, p in runnable], [r.params for _, r, _ in runnable], use_tqdm,
-                            [(r.output, r.custom_id) for _, r, _ in runnable]) if runnable else []
-        for (i, _, _), out in zip(runnable, outputs):
-            results[i] = out
+        for out in self._run(entries, use_tqdm, on_output):
+            results[out.index] = out
         return results
 
     # ---- internals -----------------------------------------------------------------------------
+    def _generate(self, items: list, params: list[SamplingParams], use_tqdm: bool, on_output, errors: str):
+        if errors not in ("raise", "return"):
+            raise RequestError(f"errors={errors!r} is invalid; accepted: 'raise', 'return'")
+        results: list[RequestOutput | RequestFailure | None] = [None] * len(items)
+        entries: list[_Entry] = []
+        for i, (item, p) in enumerate(zip(items, params)):
+            try:
+                prep = self._prepare(item)
+                self._validate(prep.prompt.token_ids, p.max_new_tokens, prep.constraint, p, prep.thinking,
+                               prep.reasoning_budget)
+            except RequestError as exc:
+                if errors == "raise":
+                    raise type(exc)(f"request {i}: {exc}") from exc
+                results[i] = RequestFailure(i, str(exc), type(exc).__name__)
+                if on_output is not None:
+                    on_output(results[i])
+                continue
+            entries.append(_Entry(i, prep, p, self.recipe.output(prep.prompt, p.stop, f"req-{i}"), None))
+        for out in self._run(entries, use_tqdm, on_output):
+            results[out.index] = out
+        return results
+
     def _prepare(self, item: PromptInput) -> Prepared:
         if isinstance(item, str):
             return Prepared(self.recipe.encode_raw(item), item)
@@ -205,61 +210,95 @@ class LLM:
             raise RequestError(
                 f"a prompt object needs exactly one of 'prompt', 'messages' or 'token_ids'; got keys {sorted(item)}"
             )
-        kind, thinking = kinds[0], bool(item.get("thinking", False))
-        constraint = from_so_args(item["so_args"]) if item.get("so_args") is not None else None
-        if constraint is not None:
-            self.grammars.compile(constraint)
+        unknown = sorted(set(item) - set(kinds) - {"thinking", "so_args", "max_reasoning_tokens"})
+        if unknown:
+            raise RequestError(f"unknown prompt key(s) {unknown}; accepted: one of prompt, messages, token_ids, and "
+                               "thinking, so_args, max_reasoning_tokens")
+        kind, thinking = kinds[0], item.get("thinking", False)
+        if not isinstance(thinking, bool):
+            raise RequestError(f"'thinking' must be true or false, got {thinking!r}")
         budget = item.get("max_reasoning_tokens")
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise RequestError(f"'max_reasoning_tokens' must be an integer >= 0, got {budget!r}")
+            if not thinking:
+                raise RequestError(f"'max_reasoning_tokens' ({budget}) needs thinking on (\"thinking\": true)")
+        if thinking and kind != "messages":
+            raise RequestError("'thinking' applies to chat prompts ('messages') only")
+        constraint = from_so_args(item["so_args"]) if item.get("so_args") is not None else None
         if kind == "prompt":
             if not isinstance(item["prompt"], str):
                 raise RequestError(f"'prompt' must be a string, got {type(item['prompt']).__name__}")
             return Prepared(self.recipe.encode_raw(item["prompt"]), item["prompt"], constraint)
         if kind == "messages":
             messages = item["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("'messages' must be a non-empty list of message objects")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise RequestError(f"'messages' must be a non-empty list of message objects, got {_short(messages)}")
             return Prepared(self.recipe.encode_chat(messages, thinking=thinking), None, constraint, thinking, budget)
         ids = item[kind]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestError(f"'{kind}' must be a list of integers")
+            raise RequestError(f"'{kind}' must be a list of integers, got {_short(ids)}")
         return Prepared(EncodedPrompt(list(ids), None), None, constraint)
 
-    def _validate(self, index: int, ids: list[int], max_new_tokens: int, constraint: Constraint | None) -> None:
-        self._check_prompt(index, ids)
-        self.cache.check_fits(min(len(ids) + max_new_tokens, self.engine.max_len), f"request {index}")
-        if constraint is not None:
-            self.grammars.compile(constraint)  # a bad schema or grammar fails before any decoding
-
-    def _check_prompt(self, index: int, ids: list[int]) -> None:
+    def _validate(self, ids: list[int], max_new_tokens: int, constraint: Constraint | None,
+                  params: SamplingParams | None = None, thinking: bool = False, budget: int | None = None) -> None:
+        """RequestError for a request this model or cache cannot take: its prompt (length, token ids), its
+        budget, its sampling parameters (logit_bias ids) and its constraint (compiled now)."""
         cfg, limit = self.config, self.engine.max_len
         if not ids:
-            raise RequestError(f"request {index}: the prompt is empty")
+            raise RequestError("the prompt is empty")
         if len(ids) >= limit:
             raise RequestError(
-                f"request {index}: the prompt has {len(ids)} tokens; the limit is {limit} positions, prompt and "
-                f"output together (the model's max_position_embeddings {cfg.max_position_embeddings}, "
-                f"max_model_len {self.cache.spec.max_tokens})"
+                f"the prompt has {len(ids)} tokens; the limit is {limit} positions, prompt and output together "
+                f"(max_model_len {self.max_model_len}, the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings})"
             )
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise RequestError(f"request {index}: token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
+            raise RequestError(f"token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
+        if params is not None:
+            outside = [t for t in params.logit_bias if t >= cfg.vocab_size]
+            if outside:
+                raise RequestError(f"logit_bias token id {outside[0]} is outside the model's vocabulary "
+                                   f"[0, {cfg.vocab_size})")
+        self.cache.check_fits(min(len(ids) + max_new_tokens, limit), "the request")
+        if constraint is not None:
+            self.grammars.compile(constraint)  # a bad schema or grammar fails before any decoding
 
-    def _run(self, prepared: list[Prepared], params: list[SamplingParams], use_tqdm: bool,
-             outputs: list[tuple[Any, str]] | None = None) -> list[RequestOutput]:
+    def _run(self, entries: list[_Entry], use_tqdm: bool, on_output=None) -> list[RequestOutput]:
+        if not entries:
+            return []
         now = time.perf_counter()
         requests = []
-        for i, (prep, p) in enumerate(zip(prepared, params)):
-            self._check_prompt(i, prep.prompt.token_ids)
-            output, custom_id = outputs[i] if outputs else (self.recipe.output(prep.prompt, p.stop, f"req-{i}"), None)
-            state = self.grammars.start(prep.constraint, prep.thinking, prep.reasoning_budget)
-            requests.append(Request(index=i, prompt=prep.prompt, params=p, seed=request_seed(p), output=output,
-                                    prompt_text=prep.text, constraint=state, custom_id=custom_id, arrival=now))
+        for e in entries:
+            state = self.grammars.start(e.prepared.constraint, e.prepared.thinking, e.prepared.reasoning_budget)
+            requests.append(Request(index=e.index, prompt=e.prepared.prompt, params=e.params, seed=request_seed(e.params),
+                                    output=e.output, prompt_text=e.prepared.text, constraint=state,
+                                    custom_id=e.custom_id, arrival=now))
         bar = _progress_bar(use_tqdm and len(requests) > 1, "requests", total=len(requests))
-        results, stats = self.engine.run(requests, on_finish=None if bar is None else (lambda _: bar.update(1)))
-        if bar is not None:
-            bar.close()
+
+        def finished(out: RequestOutput) -> None:
+            if bar is not None:
+                bar.update(1)
+            if on_output is not None:
+                on_output(out)
+
+        try:
+            results, stats = self.engine.run(requests, on_finish=finished)
+        finally:
+            if bar is not None:
+                bar.close()
         self.last_stats = stats
         return results
+
+
+@dataclass(frozen=True)
+class _Entry:
+    index: int
+    prepared: Prepared
+    params: SamplingParams
+    output: Any
+    custom_id: str | None
 
 
 @dataclass(frozen=True)
@@ -274,12 +313,45 @@ class Prepared:
 def _expand_params(sampling_params, n: int) -> list[SamplingParams]:
     if sampling_params is None:
         return [SamplingParams()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
+    if isinstance(sampling_params, (SamplingParams, dict)):
+        return [_params(sampling_params)] * n
+    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
+        raise RequestError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of those; "
+                           f"got {type(sampling_params).__name__}")
+    params = [_params(p) for p in sampling_params]
     if len(params) != n:
         raise RequestError(f"got {len(params)} sampling parameter sets for {n} prompts; pass one, or one per prompt")
     return params
+
+
+def _params(p: Any) -> SamplingParams:
+    return p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
+
+
+def _prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
+        return list(prompts)
+    raise RequestError(f"prompts must be a string, a prompt object, or a list of those; got {_short(prompts)}")
+
+
+def _conversations(messages: Any) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or several (a list of such lists)."""
+    if isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and messages:
+        if all(isinstance(m, dict) for m in messages):
+            return [list(messages)]
+        if all(isinstance(c, Sequence) and not isinstance(c, (str, bytes)) and c and
+               all(isinstance(m, dict) for m in c) for c in messages):
+            return [list(c) for c in messages]
+    raise RequestError(f"chat() takes a conversation (a non-empty list of message objects such as "
+                       f"{{'role': 'user', 'content': 'Hi'}}), a list of conversations, or a whole API request body; "
+                       f"got {_short(messages)}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _progress_bar(enabled: bool, desc: str, total: int | None = None):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import signal
 import sys
+import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -13,8 +18,7 @@ import click
 
 import backends
 
-from deepinfer.errors import DeepInferError, RequestError
-
+from deepinfer.errors import ConfigError, DeepInferError, RequestError
 
 
 def _process_age() -> float:
@@ -32,8 +36,6 @@ def _process_age() -> float:
 
 
 _START = time.perf_counter() - _process_age()
-_ITEM_KEYS = ("prompt", "messages", "token_ids", "thinking", "so_args", "max_reasoning_tokens")
-_OVERRIDES = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "stop": list}
 
 
 @click.group()
@@ -61,10 +63,11 @@ def run() -> None:
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
 @click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL, either plain prompts (one object per line with 'prompt', 'messages' or 'token_ids', and "
-                   "optionally max_new_tokens, temperature, top_p, top_k, seed, stop, thinking, so_args, "
+                   "optionally max_new_tokens, temperature, top_p, top_k, min_p, presence_penalty, "
+                   "frequency_penalty, repetition_penalty, logit_bias, seed, stop, thinking, so_args, "
                    "max_reasoning_tokens) or requests in an API's own shape, as OpenAI batch lines "
                    "({\"custom_id\", \"url\": \"/v1/chat/completions\" | \"/v1/responses\" | \"/v1/messages\", "
-                   "\"body\"}), answered as OpenAI batch-output lines.")
+                   "\"body\"}), answered as OpenAI batch-output lines. A bad line gets an error record; the others run.")
 @click.option("--stream", is_flag=True, default=False,
               help="For API-shaped requests: write each response's stream of chunks as it is produced "
                    "(JSONL {custom_id, event, data}), then a [DONE] line per request, instead of whole responses.")
@@ -72,157 +75,303 @@ def run() -> None:
 @click.option("--chat/--raw", default=True, show_default=True,
               help="--prompt text as a chat user message (rendered by deepseek-recipe) or as raw text.")
 @click.option("--thinking/--no-thinking", default=False, show_default=True, help="Thinking mode for chat prompts.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = disabled.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (per request; default random).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = disabled.")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, help="0 = disabled.")
+@click.option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True)
+@click.option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="1 = off.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (per request; default random).")
 @click.option("--stop", "stop", multiple=True, help="A stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="Compute dtype of the weights; auto = the target's default (float32 on the CPU, bfloat16 on GPUs/NPUs).")
-@click.option("--output", "output", default="-", show_default=True, help="Output file, or - for stdout.")
-@click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default="text", show_default=True)
+@click.option("--output", "output", default="-", show_default=True,
+              help="Output file, or - for stdout. Each result is written and flushed as soon as it finishes.")
+@click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default=None,
+              help="Plain prompts: text or jsonl records [default: text]. API-shaped requests are always answered "
+                   "as JSONL batch-output lines.")
 @click.option("--backend", type=click.Choice(list(backends.BACKEND_NAMES)), default=None,
               help="A target: sm90 / sm100 (TileLang kernels + CUDA graphs), ascend (TileLang kernels through "
                    "torch_npu), c (TileLang's c target on the CPU, fp32, for checking kernels), reference (PyTorch "
                    "reference ops); or an alias: cpu = reference, nvidia = the SM of the visible GPU [default: "
                    "$DEEPINFER_ACCELERATOR, else the visible device's target, else reference]")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Requests run together.")
-@click.option("--max-prefill-tokens", type=int, default=2048, show_default=True, help="Prompt tokens per prefill step.")
-@click.option("--max-model-len", type=int, default=None,
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Requests run together.")
+@click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Prompt tokens per prefill step.")
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help="Longest sequence (prompt + output) [default: min(model limit, 8192)].")
-@click.option("--num-blocks", type=int, default=None,
+@click.option("--num-blocks", type=click.IntRange(min=1), default=None,
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
-def offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
-            seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
-    """Generate for a batch of prompts and print or save the results."""
+def offline(**options) -> None:
+    """Generate for a batch of prompts, writing each result as soon as it finishes.
+
+    Exit status: 0 when every request succeeded, 3 when some requests failed (each has an error record in the
+    output), 1 for an error that stops the run (named on stderr), 2 for a bad option, 130 when interrupted
+    (SIGINT or SIGTERM; every result finished before it is on disk)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
-        _offline(**locals())
+        code = _offline(**options)
     except DeepInferError as exc:
         raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        click.echo("deepinfer: interrupted; every result finished before the interrupt has been written", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except OSError as exc:  # writing the output (a full disk, a closed pipe)
+        raise click.ClickException(f"{exc.filename or 'output'}: {exc.strerror or exc}") from exc
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if code:
+        sys.exit(code)
 
 
-def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, max_new_tokens, temperature, top_p, top_k,
-             seed, stop, dtype, output, fmt, backend, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks) -> None:
+EXIT_FAILED_REQUESTS = 3
+EXIT_INTERRUPTED = 130
+_SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@dataclass
+class _Item:
+    """One request of the run: its place (index, where it came from) and either what to run or why not."""
+
+    index: int
+    source: str
+    prompt: Any = None
+    params: Any = None
+    error: str | None = None
+
+
+def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
+             max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
     from deepinfer.runtime.sampling import SamplingParams
 
-    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                stop=tuple(stop))
-    items: list[Any] = []
-    params: list[SamplingParams] = []
+    base = {name: flags[name] for name in _SAMPLING_FLAGS}
+    base["stop"] = tuple(stop)
+    try:
+        SamplingParams(**base)
+    except RequestError as exc:
+        raise click.BadParameter(str(exc), param_hint="--stop") from exc
+    items: list[_Item] = []
     for text in prompts:
-        items.append({"messages": [{"role": "user", "content": text}], "thinking": thinking} if chat else text)
-        params.append(SamplingParams(**base))
+        prompt = {"messages": [{"role": "user", "content": text}], "thinking": thinking} if chat else text
+        items.append(_Item(len(items), f"--prompt {len(items)}", prompt, SamplingParams(**base)))
     for spec in token_ids:
-        items.append({"token_ids": _parse_ids(spec)})
-        params.append(SamplingParams(**base))
+        items.append(_Item(len(items), f"--token-ids {spec}", {"token_ids": _parse_ids(spec)}, SamplingParams(**base)))
     api_lines: list[dict[str, Any]] = []
     if prompts_file:
-        for item, overrides in _read_prompts_file(Path(prompts_file), thinking):
-            if overrides is None:
-                api_lines.append(item)
+        for lineno, obj, error in _read_lines(Path(prompts_file)):
+            source = f"{prompts_file}:{lineno}"
+            if error is None and "body" in obj:  # a request in an API's own shape; checked per request by LLM.serve
+                api_lines.append(obj)
                 continue
+            item = _Item(len(items), source, error=error)
+            if error is None:
+                try:
+                    item.prompt, overrides = _plain_line(obj, thinking)
+                    item.params = SamplingParams(**{**base, **overrides})
+                except RequestError as exc:
+                    item.error = str(exc)
             items.append(item)
-            params.append(SamplingParams(**{**base, **overrides}))
     if api_lines and items:
         raise RequestError("requests in an API's shape (lines with a 'body') cannot be mixed with plain prompts "
                            "(--prompt, --token-ids or plain lines) in one run")
     if stream and not api_lines:
         raise RequestError("--stream needs requests in an API's shape (--prompts-file lines with a 'body')")
+    if api_lines and fmt == "text":
+        raise RequestError("--format text: requests in an API's shape are answered as JSONL batch-output lines; "
+                           "leave --format out or use --format jsonl")
     if not items and not api_lines:
         raise RequestError("no prompt given: use --prompt, --token-ids or --prompts-file")
 
-    model_dir = model_dir or Env.read().hf_model_dir
-    if model_dir is None:
-        click.echo("deepinfer: no --model and no DEEPINFER_HF_MODEL_DIR: using the embedded tiny DeepSeek-V4 "
-                   "with RANDOM weights (its output is meaningless text)", err=True)
-    llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-              max_model_len=max_model_len, num_blocks=num_blocks, show_progress=True)
-    ops = f"TileLang kernels for {llm.backend.kernel_target}" if llm.backend.kernel_target else "PyTorch reference ops"
-    spec = llm.cache.spec
-    click.echo(f"deepinfer: model {model_dir or 'tiny-random'} ({llm.config.num_hidden_layers} layers, "
-               f"{llm.model.dtype}), tokenizer {llm.recipe.path} ({llm.recipe.encoding_name} encoding), "
-               f"backend {llm.backend.name} ({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, "
-               f"max {spec.max_tokens} per sequence", err=True)
-    out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
+    out = _open_output(output)  # before the model loads: a bad path fails now, not after minutes of loading
     try:
+        model_dir = model_dir or Env.read().hf_model_dir
+        if model_dir is None:
+            click.echo("deepinfer: no --model and no DEEPINFER_HF_MODEL_DIR: using the embedded tiny DeepSeek-V4 "
+                       "with RANDOM weights (its output is meaningless text)", err=True)
+        llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
+                  max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
+                  show_progress=True)
+        ops = f"TileLang kernels for {llm.backend.kernel_target}" if llm.backend.kernel_target else "PyTorch reference ops"
+        spec = llm.cache.spec
+        click.echo(f"deepinfer: model {model_dir or 'tiny-random'} ({llm.config.num_hidden_layers} layers, "
+                   f"{llm.model.dtype}), tokenizer {llm.recipe.path} ({llm.recipe.encoding_name} encoding), "
+                   f"backend {llm.backend.name} ({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} "
+                   f"positions, max {llm.engine.max_len} per sequence", err=True)
         if api_lines:
-            _serve(llm, api_lines, stream, out)
+            failed = _serve(llm, api_lines, stream, out)
             n = len(api_lines)
         else:
-            outputs = llm.generate(items, params, use_tqdm=len(items) > 1)
-            _write(outputs, fmt, out)
-            n = len(outputs)
+            failed = _generate(llm, items, fmt or "text", out)
+            n = len(items)
     finally:
         if out is not sys.stdout:
             out.close()
     _summary(llm.last_stats, n)
+    if failed:
+        click.echo(f"deepinfer: {failed} of {n} request(s) failed (see their error records)", err=True)
+        return EXIT_FAILED_REQUESTS
+    return 0
 
 
-def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO) -> None:
-    """API-shaped requests: whole responses as OpenAI batch-output lines, or (--stream) chunks as they come."""
+def _open_output(output: str) -> TextIO:
+    if output == "-":
+        return sys.stdout
+    try:
+        return open(output, "w", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--output {output!r} cannot be written: {exc.strerror or exc}") from None
+
+
+def _generate(llm, items: list[_Item], fmt: str, out: TextIO) -> int:
+    """Plain prompts: each result (or error record) written and flushed as soon as it is final, in completion
+    order; `index` says which request it is. Returns how many failed."""
+    from deepinfer.runtime.request import RequestFailure
+
+    failed = 0
+
+    def write(record, item: _Item) -> None:
+        nonlocal failed
+        if isinstance(record, RequestFailure):
+            failed += 1
+            record = RequestFailure(item.index, record.error, record.kind, item.source)
+        else:
+            record = dataclasses.replace(record, index=item.index)
+        _write(record, fmt, out)
+
+    for item in items:
+        if item.error is not None:
+            write(RequestFailure(item.index, item.error), item)
+    runnable = [it for it in items if it.error is None]
+    if runnable:
+        llm.generate([it.prompt for it in runnable], [it.params for it in runnable], use_tqdm=len(items) > 1,
+                     errors="return", on_output=lambda r: write(r, runnable[r.index]))
+    return failed
+
+
+def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO) -> int:
+    """API-shaped requests: whole responses as OpenAI batch-output lines, or (--stream) chunks as they come;
+    each written and flushed as soon as it is final. Returns how many failed."""
     from deepinfer.serving.api_requests import APIError
+
+    failed = 0
 
     def emit(obj: dict[str, Any]) -> None:
         out.write(json.dumps(obj, ensure_ascii=False) + "\n")
         out.flush()
 
-    on_chunk = (lambda custom_id, chunk: emit({"custom_id": custom_id, **chunk})) if stream else None
-    results = llm.serve(lines, stream=stream, use_tqdm=len(lines) > 1 and not stream, on_chunk=on_chunk)
-    for r in results:
+    def done(r) -> None:
+        nonlocal failed
+        failed += isinstance(r, APIError)
         if stream:
             if isinstance(r, APIError):
                 emit({"custom_id": r.custom_id, "status_code": r.status_code, "error": r.body})
             emit({"custom_id": r.custom_id, "data": "[DONE]"})
-            continue
-        status, body = (r.status_code, r.body) if isinstance(r, APIError) else (200, r.response)
-        emit({"id": f"batch_req_{r.custom_id}", "custom_id": r.custom_id,
-              "response": {"status_code": status, "body": body}, "error": None})
+            return
+        status, request_id, body = ((r.status_code, r.request_id, r.body) if isinstance(r, APIError)
+                                    else (200, r.response.get("id", ""), r.response))
+        emit({"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": r.custom_id,
+              "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None})
+
+    on_chunk = (lambda custom_id, chunk: emit({"custom_id": custom_id, **chunk})) if stream else None
+    llm.serve(lines, stream=stream, use_tqdm=len(lines) > 1 and not stream, on_chunk=on_chunk, on_output=done)
+    return failed
 
 
 def _parse_ids(spec: str) -> list[int]:
     try:
-        return [int(t) for t in spec.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in spec.replace(" ", "").split(",") if t]
     except ValueError:
-        raise RequestError(f"--token-ids {spec!r} is not a comma-separated list of integers") from None
+        raise click.BadParameter(f"{spec!r} is not a comma-separated list of integers", param_hint="--token-ids") from None
+    if not ids or min(ids) < 0:
+        raise click.BadParameter(f"{spec!r}: token ids must be integers >= 0, at least one", param_hint="--token-ids")
+    return ids
 
 
-def _read_prompts_file(path: Path, thinking: bool):
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"{path}:{lineno}: not valid JSON: {exc}") from None
-            if not isinstance(obj, dict):
-                raise RequestError(f"{path}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
-            if "body" in obj:  # a request in an API's own shape; checked per request by LLM.serve
-                yield obj, None
-                continue
-            overrides = {}
-            for key, kind in _OVERRIDES.items():
-                if key in obj and obj[key] is not None:
-                    value = obj.pop(key)
-                    overrides[key] = tuple(value) if kind is list and isinstance(value, list) else value
-            item = {k: v for k, v in obj.items() if k in _ITEM_KEYS}
-            unknown = sorted(set(obj) - set(item))
-            if unknown:
-                raise RequestError(f"{path}:{lineno}: unknown key(s) {unknown}; accepted: {', '.join(_ITEM_KEYS)}, "
-                                   f"{', '.join(_OVERRIDES)}, or an API request line with 'body'")
-            if "messages" in item:
-                item.setdefault("thinking", thinking)
-            yield item, overrides
+_ITEM_KEYS = ("prompt", "messages", "token_ids", "thinking", "so_args", "max_reasoning_tokens")
+_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "logit_bias", "seed", "stop", "ignore_eos")
 
 
-def _write(outputs, fmt: str, stream: TextIO) -> None:
-    for o in outputs:
-        if fmt == "jsonl":
-            stream.write(json.dumps(o.to_dict(), ensure_ascii=False) + "\n")
+def _read_lines(path: Path):
+    """(line number, JSON object or None, error or None) for each non-blank line of a prompts file."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--prompts-file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
             continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield lineno, None, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield lineno, None, f"not valid JSON: {exc}"
+            continue
+        if not isinstance(obj, dict):
+            yield lineno, None, f"each line must be a JSON object, got {type(obj).__name__}"
+            continue
+        bad = _lone_surrogate(obj)
+        if bad is not None:
+            yield lineno, None, f"a string holds a lone surrogate ({bad!r}), which is not valid Unicode text"
+            continue
+        yield lineno, obj, None
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (or key) in a JSON value that cannot be UTF-8 encoded, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return value[exc.start : exc.end]
+        return None
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list):
+        for v in value:
+            bad = _lone_surrogate(v)
+            if bad is not None:
+                return bad
+    return None
+
+
+def _plain_line(obj: dict[str, Any], thinking: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plain prompts-file line -> (prompt object, sampling overrides); RequestError names an unknown key."""
+    overrides = {k: obj[k] for k in _OVERRIDES if obj.get(k) is not None}
+    item = {k: v for k, v in obj.items() if k in _ITEM_KEYS}
+    unknown = sorted(set(obj) - set(item) - set(_OVERRIDES))
+    if unknown:
+        raise RequestError(f"unknown key(s) {unknown}; accepted: {', '.join(_ITEM_KEYS)}, {', '.join(_OVERRIDES)}, "
+                           "or an API request line with 'body'")
+    if "messages" in item:
+        item.setdefault("thinking", thinking)
+    return item, overrides
+
+
+def _write(record, fmt: str, stream: TextIO) -> None:
+    from deepinfer.runtime.request import RequestFailure
+
+    if fmt == "jsonl":
+        stream.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
+    elif isinstance(record, RequestFailure):
+        stream.write(f"=== request {record.index} ({record.source}): error ===\n{record.error}\n")
+    else:
+        o = record
         stream.write(f"=== request {o.index} ({o.num_prompt_tokens} prompt tokens, {o.num_generated_tokens} generated, "
                      f"finish: {o.finish_reason}) ===\n")
         if o.reasoning_content:

@@ -28,3 +28,16 @@ class Env:
         cache_dir = Path(cache).expanduser() if cache else Path.home() / ".cache" / "deepinfer" / "kernels"
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
                    cache_dir=cache_dir)
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """ConfigError unless `path` is (or can be made) a directory this process can write in; `what` names the
+    option or variable it came from."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r} is not a writable directory: {exc.strerror or exc}") from None

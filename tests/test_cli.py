@@ -51,8 +51,9 @@ def test_jsonl_on_a_saved_model_with_a_prompts_file(saved, tmp_path):
     result = invoke(["--model", str(saved), "--prompts-file", str(prompts), "--token-ids", "3,4,5",
                      "--max-new-tokens", "2", "--format", "jsonl", "--output", str(out)])
     assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["num_generated_tokens"] for r in rows] == [2, 5, 3]  # --token-ids first, then the file in order
+    rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"])
+    assert [r["index"] for r in rows] == [0, 1, 2]  # completion order on disk; index: --token-ids, then the file
+    assert [r["num_generated_tokens"] for r in rows] == [2, 5, 3]
     assert [r["num_prompt_tokens"] for r in rows] == [3, 38, 3]
     for r in rows:
         assert set(r) >= {"token_ids", "text", "finish_reason", "num_prompt_tokens", "num_generated_tokens"}
@@ -79,7 +80,7 @@ def test_chat_thinking_on_the_default_model():
     [
         ([], "no prompt given"),
         (["--token-ids", "1,x"], "not a comma-separated list"),
-        (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0 is invalid"),
+        (["--prompt", "a", "--temperature", "-1"], "Invalid value for '--temperature': -1.0 is not in the range x>=0"),
         (["--prompt", "a", "--model", "/nonexistent/dir"], "does not exist"),
     ],
 )
@@ -92,8 +93,12 @@ def test_bad_input_is_a_clear_error(args, message):
 def test_bad_prompts_file_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "colour": "red"}\n')
-    result = CliRunner().invoke(main, ["run", "offline", "--prompts-file", str(bad)], env={"DEEPINFER_HF_MODEL_DIR": ""})
-    assert result.exit_code != 0 and "bad.jsonl:1: unknown key(s) ['colour']" in result.output
+    bad.write_text('{"prompt": "a", "colour": "red"}\n{"prompt": "b", "max_new_tokens": 2}\n')
+    result = invoke(["--prompts-file", str(bad), "--format", "jsonl"])
+    assert result.exit_code == 3, result.output  # some requests failed; the others ran
+    rows = {r["index"]: r for r in map(json.loads, result.stdout.strip().splitlines())}
+    assert rows[0]["source"].endswith("bad.jsonl:1") and "unknown key(s) ['colour']" in rows[0]["error"]["message"]
+    assert rows[1]["num_generated_tokens"] == 2
 
 
 API_LINES = [
@@ -112,10 +117,11 @@ def test_api_shaped_prompts_file(tmp_path, stream):
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in API_LINES))
     result = invoke(["--prompts-file", str(path), *(["--stream"] if stream else [])])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output  # the broken line failed, the others ran
     rows = [json.loads(line) for line in result.stdout.strip().splitlines()]
-    if not stream:  # OpenAI batch-output lines, in input order
-        assert [r["custom_id"] for r in rows] == ["chat", "resp", "msg", "broken"]
+    if not stream:  # OpenAI batch-output lines, in completion order (the refused line first)
+        assert rows[0]["custom_id"] == "broken"
+        rows = sorted(rows, key=lambda r: ["chat", "resp", "msg", "broken"].index(r["custom_id"]))
         status = [r["response"]["status_code"] for r in rows]
         assert status == [200, 200, 200, 400]
         assert re.fullmatch("(hello|goodbye) world", rows[0]["response"]["body"]["choices"][0]["message"]["content"])
@@ -135,3 +141,31 @@ def test_api_shaped_prompts_file(tmp_path, stream):
 def test_stream_needs_api_shaped_requests():
     result = CliRunner().invoke(main, ["run", "offline", "--prompt", "a", "--stream"], env={"DEEPINFER_HF_MODEL_DIR": ""})
     assert result.exit_code != 0 and "--stream needs requests in an API's shape" in result.output
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_run_keeps_the_finished_outputs(tmp_path, sig):
+    import signal
+    import time
+
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6], "max_new_tokens": 2}) + "\n"
+                       + json.dumps({"token_ids": [7, 8], "max_new_tokens": 6000, "ignore_eos": True}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_HF_MODEL_DIR"}
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer", "run", "offline", "--prompts-file", str(prompts),
+                             "--format", "jsonl", "--output", str(out), "--max-num-seqs", "1", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and out.read_text().count("\n") >= 1):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the first request never finished"
+            time.sleep(0.1)
+        proc.send_signal(getattr(signal, sig))
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["index"] == 0 and rows[0]["num_generated_tokens"] == 2

@@ -122,3 +122,26 @@ def test_default_tiny_model_chat_and_raw():
     raw = llm.generate("Hi", SamplingParams(temperature=0, max_new_tokens=8))[0]
     assert chat.num_prompt_tokens > raw.num_prompt_tokens  # the chat template adds BOS and role markers
     assert 1 <= chat.num_generated_tokens <= 8 and isinstance(chat.text, str)
+
+
+def test_max_model_len_is_exact():
+    small = deepinfer.LLM(max_model_len=16, max_num_seqs=2)
+    assert small.engine.max_len == 16
+    out = small.generate({"token_ids": list(range(5, 15))}, SamplingParams(temperature=0, max_new_tokens=100,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_generated_tokens == 6 and out.finish_reason == "length"
+    with pytest.raises(RequestError, match="the limit is 16 positions"):
+        small.generate({"token_ids": list(range(5, 21))})
+
+
+def test_logit_bias_and_penalties_steer_generation(llm):
+    ids = prompt(20, 3)
+    forced = llm.generate({"token_ids": ids}, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True,
+                                                             logit_bias={77: 100}), use_tqdm=False)[0]
+    assert forced.token_ids == [77] * 6
+    # a strong frequency penalty on top of the same bias: 77 once, then never again in a row of 6
+    spread = llm.generate({"token_ids": ids}, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True,
+                                                             logit_bias={77: 100}, frequency_penalty=2.0,
+                                                             presence_penalty=2.0, repetition_penalty=50.0),
+                          use_tqdm=False)[0]
+    assert spread.token_ids[0] == 77 and spread.token_ids.count(77) < 6

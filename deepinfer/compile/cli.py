@@ -19,7 +19,7 @@ TARGETS = backends.COMPILE_TARGETS
               help="Model directory whose config.json gives the shapes [default: the tiny default model].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Kernel cache directory [default: $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer/kernels].")
-@click.option("--jobs", type=int, default=None, help="Parallel builds [default: CPU count, at most 8].")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel builds [default: CPU count, at most 8].")
 @click.option("--ops", default=None, help="Comma-separated op names to build (default: every op the model needs).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="Activation dtype of the variants; auto = the target's default (float32 for c, bfloat16 otherwise).")
@@ -43,9 +43,11 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
     from deepinfer.errors import ConfigError
     from deepinfer.compile.plan import kernel_plan
     from deepinfer.compile.prebuild import build_kernels
+    from deepinfer.env import check_writable_dir
     from deepinfer.tiny import tiny_config
 
     cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
+    check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
     items = kernel_plan(cfg, dtype)
     if ops:

@@ -13,7 +13,7 @@ from deepinfer.runtime.cache import PagedCache
 from deepinfer.model.model import DeepseekV4
 from deepinfer.runtime.request import Request, RequestOutput
 from deepinfer.runtime.graph import DecodeGraphs
-from deepinfer.runtime.sampling import sample
+from deepinfer.runtime.sampler import Features, History, PenaltyState, SamplerGraphs, pack, select_tokens
 from deepinfer.runtime.scheduler import DecodeStep, PrefillStep, Scheduler, SchedulerConfig
 from deepinfer.serving.structured import Grammars, apply_masks
 
@@ -33,10 +33,15 @@ class RunStats:
 
 class Engine:
     def __init__(self, model: DeepseekV4, cache: PagedCache, config: SchedulerConfig, graphs: DecodeGraphs,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, max_len: int | None = None):
+        """`max_len`: the longest sequence, prompt and output (default: what the model and cache allow)."""
         self.model, self.cache, self.config, self.graphs, self.grammars = model, cache, config, graphs, grammars
         self.eos = frozenset(model.cfg.eos_token_ids)
-        self.max_len = min(model.cfg.max_position_embeddings, cache.spec.max_tokens)
+        self.max_len = min(model.cfg.max_position_embeddings, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
+        self.penalties = PenaltyState(cache.spec.max_seqs, model.cfg.vocab_size, model.device)
+        # where decode steps replay graphs, their sampling replays one too
+        self.sampler = (SamplerGraphs(self.penalties, model.cfg.vocab_size, cache.scratch_slot, graphs.capture)
+                        if graphs.capture is not None else None)
 
     @torch.inference_mode()
     def run(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None,
@@ -101,18 +106,19 @@ class Engine:
                                  [r.cache for r in reqs])
         for r in reqs:
             r.cache.num_tokens += 1
-        self._sample_and_append(reqs, logits, stats)
+        self._sample_and_append(reqs, logits, stats, decode=True)
         stats.decode_seconds += time.perf_counter() - begin
         stats.decode_steps += 1
         stats.decode_tokens += len(reqs)
 
-    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats) -> None:
+    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats,
+                           decode: bool = False) -> None:
         states = [r.constraint for r in reqs]
         if any(s is not None for s in states):
             begin = time.perf_counter()
             apply_masks(logits, states, self.grammars)
             stats.mask_seconds += time.perf_counter() - begin
-        tokens = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], [r.num_tokens for r in reqs])
+        tokens = self._sample(reqs, logits, decode)
         now = time.perf_counter()
         for r, token in zip(reqs, tokens):
             r.generated.append(token)
@@ -129,6 +135,29 @@ class Engine:
                 r.finish_reason = "stop"
             elif len(r.generated) >= r.params.max_new_tokens or r.num_tokens >= self.max_len:
                 r.finish_reason = "length"
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, decode: bool) -> list[int]:
+        """One token per request: through the captured sampler after a graph-replayed decode step, else eagerly
+        with only the stages the batch needs. Penalized requests' slots get their penalty rows first."""
+        params = [r.params for r in reqs]
+        seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
+        slots = [r.cache.slot for r in reqs]
+        features = Features.of(params)
+        graph = decode and self.sampler is not None and (features.sampled or features.bias or features.penalties)
+        if graph or features.penalties:  # the rows these steps count into
+            self.penalties.prepare(slots, reqs, [History(r.prompt_ids, r.generated) if r.params.penalized else None
+                                                 for r in reqs])
+        if graph:
+            return self.sampler.run(self.graphs.last_logits, len(reqs), params, seeds, positions, slots)
+        device = logits.device
+        seen = index = None
+        if features.penalties:
+            index = torch.tensor(slots, device=device)
+            seen = self.penalties.rows(index)
+        tokens = select_tokens(logits, pack(params, seeds, positions, logits.shape[-1], device), seen, features)
+        if features.penalties:
+            self.penalties.record(index, tokens)
+        return tokens.tolist()
 
     def _output(self, r: Request) -> RequestOutput:
         parsed = r.output.finish(r.finish_reason)
@@ -149,3 +178,4 @@ class Engine:
             chunks=r.output.chunks,
             custom_id=r.custom_id,
         )
+

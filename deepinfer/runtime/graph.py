@@ -30,6 +30,7 @@ class DecodeGraphs:
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
         self._graphs: dict[int, _Bucket] = {}
+        self.last_logits: torch.Tensor | None = None  # the bucket-sized logits buffer of the last replayed step
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -64,4 +65,5 @@ class DecodeGraphs:
         if bucket.replay is None:
             return self.model.decode(cache, inp)[:n]
         bucket.replay()
+        self.last_logits = bucket.logits
         return bucket.logits[:n]

@@ -97,3 +97,19 @@ class RequestOutput:
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
         return out
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request that was refused (bad input) or failed; the others of its batch still run."""
+
+    index: int
+    error: str  # what is wrong and what is accepted
+    kind: str = "RequestError"  # the exception type that carried it
+    source: str | None = None  # where the request came from (a prompts file's path:line), when known
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index, "error": {"type": self.kind, "message": self.error}}
+        if self.source is not None:
+            out["source"] = self.source
+        return out

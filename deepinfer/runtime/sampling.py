@@ -1,22 +1,27 @@
-"""Sampling parameters and the sampler.
-
-Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (nucleus) filtering. Each random
-draw uses a generator seeded by (request seed, absolute position of the token being drawn), so a seeded
-request gives the same tokens whatever it is batched with and however its prompt was chunked.
-"""
+"""Sampling parameters: what a request asks of the sampler (`deepinfer/runtime/sampler.py`), validated when
+made, and the seeds of its draws."""
 
 from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, field
-from typing import Sequence
-
-import torch
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
 
 from deepinfer.errors import RequestError
 
 _MASK64 = (1 << 64) - 1
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 1024  # entries per request (the graph-captured sampler holds this many per row)
+PENALTY_RANGE = (-2.0, 2.0)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -25,29 +30,73 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k filtering
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0 = off)
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # prompt and generated tokens: logit / r if positive, logit * r if not
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
-               and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-               and self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 = greedy)")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
-               "top_k", self.top_k, "an integer >= 0 (0 = disabled)")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0),
-               "seed", self.seed, "an integer >= 0 or null")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        _check(stop is None or isinstance(stop, (list, tuple)), "stop", stop, "a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop or ()))
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
+        _check(_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens,
+               "an integer >= 1")
+        _check(_real(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a number >= 0 (0 = greedy)")
+        _check(_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = disabled)")
+        _check(_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1] (0 = disabled)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_real(value) and PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1], name, value,
+                   "a number in [-2, 2] (0 = off)")
+        _check(_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "a number > 0 (1 = off)")
+        _check(isinstance(self.logit_bias, Mapping), "logit_bias", self.logit_bias,
+               "an object mapping token ids to biases in [-100, 100]")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            if isinstance(token, str) and token.strip().isdigit():  # JSON object keys are strings
+                token = int(token)
+            _check(_int(token) and token >= 0, "logit_bias", {token: value}, "token ids (integers >= 0) as keys")
+            _check(_real(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1], "logit_bias",
+                   {token: value}, "biases in [-100, 100]")
+            bias[token] = float(value)
+        _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(bias)} entries>",
+               f"at most {MAX_LOGIT_BIAS} entries")
+        object.__setattr__(self, "logit_bias", bias)
+        _check(self.seed is None or (_int(self.seed) and self.seed >= 0), "seed", self.seed, "an integer >= 0 or null")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """SamplingParams from a plain mapping; an unknown key is named with the accepted ones."""
+        if not isinstance(values, Mapping):
+            raise RequestError(f"sampling parameters must be a SamplingParams or a dict, got {type(values).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names), key=str)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s) {unknown}; accepted: {', '.join(names)}")
+        return cls(**values)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 def _check(ok: bool, name: str, value: object, accepted: str) -> None:
@@ -61,38 +110,16 @@ def request_seed(params: SamplingParams) -> int:
 
 
 def draw_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): the generator seed of one draw."""
+    """splitmix64 of (seed, position): the key of one draw."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[V] fp32 logits -> temperature-scaled logits with the top-k / top-p rejected tokens at -inf."""
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return logits
-
-
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]
-) -> list[int]:
-    """logits [B, V] fp32 -> one token per row. `positions[i]` is the position the new token will take."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = torch.softmax(filter_logits(logits[i], p), dim=-1)
-        gen = torch.Generator(device=logits.device).manual_seed(draw_seed(seeds[i], positions[i]))
-        out[i] = int(torch.multinomial(probs, 1, generator=gen))
-    return out
+def uniform(key: int) -> float:
+    """A uniform in (0, 1) from the top 53 bits of splitmix64(key)."""
+    z = (key * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (((z ^ (z >> 31)) >> 11) + 0.5) / float(1 << 53)

@@ -4,8 +4,14 @@ the API's own error body when the request is invalid. Lines follow the OpenAI ba
 `{"custom_id": ..., "url": "/v1/chat/completions" | "/v1/responses" | "/v1/messages", "body": {...}}`
 (or `"api": "chat.completions" | "responses" | "messages"` instead of `url`).
 
-Extensions read from the body (and removed before conversion): `so_args` (structured output) and
-`max_reasoning_tokens` (a thinking budget after which `</think>` is forced).
+Every body field is honoured or refused: each API's own fields that deepinfer serves (FIELDS), and deepinfer's
+extensions, read from the body and removed before conversion: `so_args` (structured output),
+`max_reasoning_tokens` (a thinking budget after which `</think>` is forced; Anthropic's
+`thinking.budget_tokens` sets it too) and the sampler's `top_k`, `min_p`, `presence_penalty`,
+`frequency_penalty`, `repetition_penalty`, `logit_bias`, `seed` and `ignore_eos`. Any other field, or a value
+deepinfer cannot honour (`logprobs: true`, `store: true`, ...), gets a 400 naming it. A Messages request
+without `max_tokens` is refused, as Anthropic's API does; the other APIs without a bound get deepseek-recipe's
+default (8192 tokens, 65536 in thinking mode), capped by the context left after the prompt.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from deepinfer.errors import RequestError
@@ -24,12 +30,35 @@ from deepinfer.serving.structured import Constraint, from_output_constraint, fro
 APIS = {"chat.completions": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 URLS = {v: k for k, v in APIS.items()}
 
+# Body fields each API honours (through deepseek-recipe or here); request metadata that has no effect on the
+# answer (user, metadata, ...) is accepted too. Any other field is refused with a 400 naming it.
+FIELDS = {
+    "chat.completions": {"model", "messages", "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens",
+                         "stop", "stream", "stream_options", "response_format", "tools", "tool_choice",
+                         "parallel_tool_calls", "thinking", "reasoning_effort", "n", "logprobs", "top_logprobs",
+                         "user", "metadata", "safety_identifier", "prompt_cache_key", "store"},
+    "responses": {"model", "input", "instructions", "temperature", "top_p", "max_output_tokens", "stream", "reasoning",
+                  "text", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "include", "truncation",
+                  "user", "metadata", "safety_identifier", "prompt_cache_key", "store"},
+    "messages": {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences",
+                 "stream", "thinking", "output_config", "output_format", "tools", "tool_choice", "metadata"},
+}
+# deepinfer's sampling and decoding extensions, read from any API's body (removed before conversion)
+SAMPLING_EXTENSIONS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                       "logit_bias", "seed", "ignore_eos")
+EXTENSIONS = ("so_args", "max_reasoning_tokens") + SAMPLING_EXTENSIONS
+
 
 @dataclass(frozen=True)
 class APIError:
     custom_id: str
     status_code: int
     body: dict[str, Any]
+    request_id: str = field(default_factory=lambda: f"req_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def message(self) -> str:
+        return str((self.body.get("error") or {}).get("message", ""))
 
 
 @dataclass
@@ -44,8 +73,13 @@ class APIRequest:
     output: OutputProcessor
 
 
-def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+def error_body(message: str, api: str = "chat.completions", kind: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    """The API's own error body: Anthropic's `{"type": "error", "error": {type, message}}` for Messages, OpenAI's
+    `{"error": {message, type, param, code}}` otherwise."""
+    if api == "messages":
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": kind}}
 
 
 def _parallel_calls(api: str, body: dict[str, Any]) -> bool:
@@ -67,47 +101,121 @@ def api_of(line: dict[str, Any]) -> str:
     return api
 
 
+class _BadParam(RequestError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _refuse_unsupported(api: str, body: dict[str, Any]) -> None:
+    """A 400 for a field the API's request may carry but deepinfer cannot honour, or one it does not know."""
+    unknown = sorted(set(body) - FIELDS[api] - set(EXTENSIONS))
+    if unknown:
+        raise _BadParam(unknown[0], f"unsupported parameter(s) {unknown} for {APIS[api]}; supported: "
+                                    f"{', '.join(sorted(FIELDS[api]))}, and deepinfer's {', '.join(EXTENSIONS)}")
+    refusals = {
+        "logprobs": "logprobs are not supported yet (they come with batch-invariant decoding)",
+        "top_logprobs": "top_logprobs are not supported yet (they come with batch-invariant decoding)",
+        "include": "'include' is not supported (no logprobs, no encrypted reasoning, no tool outputs)",
+        "store": "responses are not stored by deepinfer (offline batches): leave 'store' out or set it false",
+        "truncation": "only truncation 'disabled' is supported (a prompt longer than the context is refused)",
+    }
+    defaults = {"logprobs": (False,), "top_logprobs": (0,), "include": ([],), "store": (False,),
+                "truncation": ("disabled",)}
+    for name, message in refusals.items():
+        if name in body and body[name] is not None and body[name] not in defaults[name]:
+            raise _BadParam(name, f"{name}={body[name]!r}: {message}")
+    if api == "messages" and "max_tokens" not in body:
+        raise _BadParam("max_tokens", "max_tokens: Field required (the Messages API needs a bound on the output)")
+    if api == "chat.completions" and body.get("max_completion_tokens") is not None:
+        value = body.pop("max_completion_tokens")
+        if body.get("max_tokens") is not None and body["max_tokens"] != value:
+            raise _BadParam("max_completion_tokens", f"max_completion_tokens={value!r} and max_tokens="
+                                                     f"{body['max_tokens']!r} disagree; give one")
+        body["max_tokens"] = value
+
+
+def _messages_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Anthropic structured output (`output_config.format` or `output_format`: {"type": "json_schema",
+    "schema": ...}) as so_args; other output_config keys (effort) stay for the conversion."""
+    fmt = body.pop("output_format", None)
+    config = body.get("output_config")
+    if isinstance(config, dict) and "format" in config:
+        config = dict(config)
+        fmt = config.pop("format")
+        body["output_config"] = config
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _BadParam("output_config.format", f"output format {fmt!r} is not supported; accepted: "
+                                                '{"type": "json_schema", "schema": {...}}')
+    return {"json_schema": fmt["schema"]}
+
+
 def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int, stream: bool,
-            model_names: tuple[str, ...], validate: Callable[[list[int], int, Constraint | None], None],
+            model_names: tuple[str, ...], validate: Callable[..., None],
             on_chunk: Callable[[str, dict[str, Any]], None] | None = None) -> APIRequest | APIError:
     """One batch line -> a runnable request, or the API's error body for it. With `stream` the chunks are kept
     (and passed to `on_chunk(custom_id, chunk)` as they are produced). `validate(ids, max_new_tokens,
-    constraint)` raises RequestError for a request the model or cache cannot take or a constraint that does not
-    compile."""
+    constraint, params, thinking, budget)` raises RequestError for a request the model or cache cannot take or
+    a constraint that does not compile."""
     if not isinstance(line, dict):
         return APIError(f"request-{index}", 400, error_body(f"a request line must be an object, got {type(line).__name__}"))
     import deepseek_recipe as dr
 
     custom_id = str(line.get("custom_id", f"request-{index}"))
+    api = "chat.completions"
     try:
         api = api_of(line)
         body = line.get("body")
         if not isinstance(body, dict):
             raise RequestError(f"'body' must be a request object, got {type(body).__name__}")
         body = dict(body)
-        so_args, budget = body.pop("so_args", None), body.pop("max_reasoning_tokens", None)
+        _refuse_unsupported(api, body)
+        extensions = {k: body.pop(k) for k in EXTENSIONS if k in body}
+        so_args, budget = extensions.pop("so_args", None), extensions.pop("max_reasoning_tokens", None)
+        if api == "messages":
+            anthropic_format = _messages_format(body)
+            if anthropic_format is not None:
+                if so_args is not None:
+                    raise _BadParam("so_args", "give either so_args or output_config.format, not both")
+                so_args = anthropic_format
+            thinking = body.get("thinking")
+            if budget is None and isinstance(thinking, dict) and thinking.get("type") == "enabled":
+                budget = thinking.get("budget_tokens")
         constraint = from_so_args(so_args) if so_args is not None else None
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
-            raise RequestError(f"max_reasoning_tokens must be an integer >= 0, got {budget!r}")
+            raise _BadParam("max_reasoning_tokens", f"max_reasoning_tokens must be an integer >= 0, got {budget!r}")
+        sampling = {k: v for k, v in extensions.items() if v is not None}
         cls = {"chat.completions": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest,
                "messages": dr.MessagesRequest}[api]
-        raw = cls(json.dumps(body))
+        raw = _construct(cls, body)
         options = recipe.options(model_names)
         echo = raw.echo() if api == "responses" else None
         namespaces = raw.namespace_tool_map(options) if api == "responses" else None
         request = raw.convert(options)
         ids = list(recipe.encoding.encode(request.conversation))
         inference = request.inference_options
+        thinking_mode = request.conversation.thinking_mode
+        if budget is not None and not thinking_mode:
+            raise _BadParam("max_reasoning_tokens", f"a reasoning budget ({budget}) needs thinking on")
         if constraint is None and inference.output_constraint is not None:
-            constraint = from_output_constraint(inference.output_constraint, one_call=not _parallel_calls(api, body))
+            oc = inference.output_constraint
+            constraint = from_output_constraint(oc, one_call=not _parallel_calls(api, body))
+            choice = body.get("tool_choice")
+            if api == "messages" and isinstance(choice, dict) and choice.get("type") == "any" and oc.kind == "tool_call":
+                constraint = Constraint("tool_call_required", constraint.spec, constraint.one_call)
         max_tokens = request.resolve_max_tokens(len(ids), context_limit)
-        validate(ids, max_tokens, constraint)
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=inference.temperature or 0.0,
-                                top_p=inference.top_p or 1.0, seed=inference.seed)
+        seed = sampling.pop("seed", inference.seed)
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=inference.temperature if inference.temperature
+                                is not None else 1.0, top_p=inference.top_p or 1.0, seed=seed, **sampling)
+        validate(ids, max_tokens, constraint, params, thinking_mode, budget)
     except dr.ConversionError as exc:
-        return APIError(custom_id, exc.status_code, json.loads(exc.body))
+        return APIError(custom_id, exc.status_code, _reshape(json.loads(exc.body), api))
+    except _BadParam as exc:
+        return APIError(custom_id, 400, error_body(str(exc), api, param=exc.param))
     except (RequestError, ValueError, RuntimeError) as exc:
-        return APIError(custom_id, 400, error_body(str(exc)))
+        return APIError(custom_id, 400, error_body(str(exc), api))
     rid = f"{ {'chat.completions': 'chatcmpl', 'responses': 'resp', 'messages': 'msg'}[api]}-{uuid.uuid4().hex[:24]}"
     model = str(body.get("model", SERVED_MODEL_NAME))
     generator = cls.chunk_generator(request, rid, model)
@@ -121,4 +229,32 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
     output = OutputProcessor(recipe, prompt, (), rid, api=api, generator=generator,
                              response=response_cls(rid, model, int(time.time()), len(ids), 0), keep_chunks=stream,
                              sink=(lambda chunk: on_chunk(custom_id, chunk)) if stream and on_chunk else None)
-    return APIRequest(custom_id, api, prompt, params, constraint, request.conversation.thinking_mode, budget, output)
+    return APIRequest(custom_id, api, prompt, params, constraint, thinking_mode, budget, output)
+
+
+def _construct(cls: Any, body: dict[str, Any]) -> Any:
+    """deepseek-recipe's request object for `body`; its type errors (which name no field) get the field named."""
+    try:
+        return cls(json.dumps(body))
+    except ValueError as exc:
+        for key in body:  # the field whose removal makes the body parse (or only reports it as missing)
+            try:
+                cls(json.dumps({k: v for k, v in body.items() if k != key}))
+            except ValueError as other:
+                if f"missing field `{key}`" not in str(other):
+                    continue
+            raise _BadParam(key, f"{key}={_short(body[key])}: {exc}") from None
+        raise
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reshape(body: dict[str, Any], api: str) -> dict[str, Any]:
+    """deepseek-recipe's (OpenAI-shaped) error body in the API's own shape."""
+    if api != "messages":
+        return body
+    error = body.get("error") or {}
+    return error_body(str(error.get("message", body)), api, str(error.get("type") or "invalid_request_error"))

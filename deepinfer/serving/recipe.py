@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from deepinfer.errors import RequestError
+from deepinfer.errors import ConfigError, RequestError
 
 SERVED_MODEL_NAME = "deepinfer"
 V41_MARKER = "<｜System｜>"
@@ -51,7 +51,12 @@ class Recipe:
 
         self._dr = dr
         self.path = Path(path)
-        self.tokenizer = dr.Tokenizer.from_file(str(path))
+        if not self.path.is_file():
+            raise ConfigError(f"tokenizer file {str(self.path)!r} does not exist or is not a file")
+        try:
+            self.tokenizer = dr.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library's own error type
+            raise ConfigError(f"tokenizer file {str(self.path)!r} cannot be loaded as a tokenizer.json: {exc}") from None
         self.is_v41 = len(self.tokenizer.encode(V41_MARKER)) == 1
         if self.is_v41:
             self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
@@ -82,6 +87,7 @@ class Recipe:
         """Render and encode a chat (OpenAI-style message dicts, or one user message as a string)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        _check_text(messages)
         body = {
             "model": SERVED_MODEL_NAME,
             "messages": messages,
@@ -99,10 +105,27 @@ class Recipe:
 
     def encode_raw(self, text: str) -> EncodedPrompt:
         """Encode raw text with the full vocabulary (special-token spellings become special tokens)."""
+        _check_text(text)
         return EncodedPrompt(list(self.tokenizer.encode(text)), None)
 
     def output(self, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str) -> OutputProcessor:
         return OutputProcessor(self, prompt, stop, request_id)
+
+
+def _check_text(value: Any) -> None:
+    """RequestError for a string (anywhere in `value`) that is not valid Unicode text (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(f"the text holds a lone surrogate {value[exc.start:exc.end]!r} at character "
+                               f"{exc.start}, which is not valid Unicode") from None
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_text(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_text(v)
 
 
 def _error_message(body: str) -> str:
@@ -147,7 +170,10 @@ class OutputProcessor:
     def _emit(self, events) -> None:
         for event in events:
             if self.chunks is not None or self._sink is not None:
-                chunk = {"event": type(self._response).sse_event_name(event), "data": json.loads(event.to_json())}
+                data = json.loads(event.to_json())
+                if self.api == "responses" and isinstance(data.get("response"), dict):
+                    _complete_usage(data["response"])
+                chunk = {"event": type(self._response).sse_event_name(event), "data": data}
                 if self.chunks is not None:
                     self.chunks.append(chunk)
                 if self._sink is not None:
@@ -174,7 +200,17 @@ class OutputProcessor:
             self._feed(dr.InferenceChunk.finish(native))
             self._emit(self._processor.finish())
         response = json.loads(self._response.to_json())
+        if self.api == "responses":
+            _complete_usage(response)
         return {"response": response, **summarize(self.api, response, reason)}
+
+
+def _complete_usage(response: dict[str, Any]) -> None:
+    """A Responses object's usage as the API defines it: deepseek-recipe 0.2 leaves out
+    `input_tokens_details.cache_write_tokens` (nothing is written to a prompt cache here: 0)."""
+    details = (response.get("usage") or {}).get("input_tokens_details")
+    if isinstance(details, dict):
+        details.setdefault("cache_write_tokens", 0)
 
 
 def summarize(api: str, response: dict[str, Any], reason: str) -> dict[str, Any]:

@@ -38,39 +38,78 @@ class Checkpoint:
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor key of the checkpoint to its file, checking that every shard exists."""
+    """Map every tensor key of the checkpoint to its file, checking that every shard exists, lies inside the
+    model directory and is a readable safetensors file."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise WeightsError(f"{index} is not a valid safetensors index (needs a 'weight_map' object): {exc}") from exc
-        files: dict[str, Path] = {}
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"'weight_map' is a {type(weight_map).__name__}")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index} is not a valid safetensors index (needs a 'weight_map' object of tensor "
+                               f"name -> shard file): {exc}") from None
+        root = model_dir.resolve()
+        paths: dict[str, Path] = {}
         missing: dict[str, str] = {}
         for key, fname in weight_map.items():
+            if not isinstance(fname, str) or not fname:
+                raise WeightsError(f"{index}: tensor {key!r} maps to {fname!r}; expected a shard file name")
             path = model_dir / fname
+            if not path.resolve().is_relative_to(root):
+                raise WeightsError(f"{index}: shard {fname!r} (of tensor {key!r}) lies outside the model directory "
+                                   f"{model_dir}; shards must be files inside it")
             if not path.is_file():
                 missing.setdefault(fname, key)
-            files[key] = path
+            paths[key] = path
         if missing:
             fname, key = next(iter(missing.items()))
             raise WeightsError(
                 f"shard {fname!r} listed in {INDEX_FILE} is missing from {model_dir} (it holds e.g. {key}); "
                 f"{len(missing)} shard file(s) missing in all"
             )
+        files: dict[str, Path] = {}
+        for path in sorted(set(paths.values())):
+            held = set(_keys(path))
+            for key in (k for k, p in paths.items() if p == path):
+                if key not in held:
+                    raise WeightsError(f"{path} does not hold tensor {key!r}, which {INDEX_FILE} places there")
+                files[key] = path
         return files
     single = model_dir / SINGLE_FILE
     shards = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise WeightsError(f"{model_dir} holds no {SINGLE_FILE}, no {INDEX_FILE} and no *.safetensors file")
-    from safetensors import safe_open
-
     files = {}
     for path in shards:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                files[key] = path
+        for key in _keys(path):
+            files[key] = path
     return files
+
+
+def _keys(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, after checking that its header is whole and its data covers
+    every tensor (a truncated or zero-byte file is named here, before anything is loaded)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes, but the file has {size} bytes")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"truncated: its tensors need {8 + n + end} bytes, the file has {size}")
+    except OSError as exc:
+        raise WeightsError(f"checkpoint file {path} cannot be read: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise WeightsError(f"checkpoint file {path} is not a valid safetensors file ({exc})") from None
+    return [k for k in header if k != "__metadata__"]
 
 
 def load_checkpoint(
@@ -109,9 +148,12 @@ def load_checkpoint(
 
     def read(key: str) -> torch.Tensor:
         path = files[key]
-        if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return handles[path].get_tensor(key)
+        try:
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            return handles[path].get_tensor(key)
+        except Exception as exc:  # safetensors' own error types: a damaged file, an unknown dtype
+            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
 
     for name, sources in plan.items():
         spec = specs[name]

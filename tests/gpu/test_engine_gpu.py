@@ -163,3 +163,20 @@ def test_odd_width_config_on_the_gpu(raw, tmp_path, cuda):
     # worst. Measured on the H200 (ODD_A): median 0.0109 vs 0.0074, worst 0.133 vs 0.061, 9 vs 4 rows above 0.05.
     assert rows_got.median() <= 2 * rows_own.median()
     assert got_prefill <= max(TOLERANCE, 3 * own_prefill)
+
+
+def test_decode_samples_through_the_captured_sampler(confident, cuda):
+    """Sampled, penalized and biased requests: the decode steps' captured sampler gives the eager sampler's
+    tokens (same logits from the same decode graphs), batch after batch."""
+    llm = deepinfer.LLM(confident, backend="nvidia", dtype="bfloat16", max_num_seqs=8)
+    assert llm.engine.sampler is not None
+    kinds = [dict(temperature=0.9, top_p=0.9), dict(temperature=0, logit_bias={9: 4.0}),
+             dict(temperature=1.0, top_k=20, min_p=0.05, presence_penalty=1.5),
+             dict(temperature=0.8, frequency_penalty=1.0, repetition_penalty=1.3), dict(temperature=0)]
+    params = [SamplingParams(seed=i, max_new_tokens=24, ignore_eos=True, **kinds[i % 5]) for i in range(6)]
+    items = prompts() + prompts()
+    graph = [o.token_ids for o in llm.generate(items, params)]
+    sampler, llm.engine.sampler = llm.engine.sampler, None
+    eager = [o.token_ids for o in llm.generate(items, params)]
+    llm.engine.sampler = sampler
+    assert graph == eager

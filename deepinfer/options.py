@@ -1,0 +1,117 @@
+"""Engine options: their types and ranges (checked before anything loads), the compute dtype, and the cache's
+geometry and size against the memory that must hold it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.config import ModelConfig
+from deepinfer.errors import ConfigError
+from deepinfer.runtime.cache import CacheLayout, CacheSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, default: str = "float32") -> torch.dtype:
+    """'auto' is the target's default dtype (float32 on the CPU paths, bfloat16 on accelerators); otherwise one
+    of DTYPES."""
+    if name == "auto":
+        return DTYPES[default]
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
+               num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128) -> CacheSpec:
+    """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
+    `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
+    enough for every slot at full length."""
+    limit = model_len(cfg, max_model_len)
+    per_seq = -(-limit // block_tokens)
+    if num_blocks is None:
+        num_blocks = max_seqs * per_seq
+        if memory is not None:
+            unit = CacheLayout.build(cfg, CacheSpec(0, max_seqs, per_seq, block_tokens), dtype)
+            per_block, per_slot = unit.block_bytes, unit.slot_bytes
+            free, _ = memory
+            budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
+            if budget < 2 * per_block:  # one block and the scratch block
+                raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
+                                  f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
+                                  f"{per_slot / 2**20:.0f} MiB, 2 GiB for activations; lower --max-num-seqs or set "
+                                  f"--num-blocks")
+            num_blocks = min(num_blocks, budget // per_block - 1)  # the cache adds a scratch block
+    if num_blocks < 1:
+        raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+    return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens)
+
+
+def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """The longest sequence (prompt and output): max_model_len, else min(model limit, 8192)."""
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                          f"({cfg.max_position_embeddings})")
+    return min(cfg.max_position_embeddings, max_model_len or DEFAULT_MAX_MODEL_LEN)
+
+
+def check_cache_memory(spec: CacheSpec, cfg: ModelConfig, dtype: torch.dtype, available: int | None, where: str,
+                       names: tuple[str, str] = ("num_blocks", "max_num_seqs")) -> None:
+    """ConfigError when the cache of `spec` cannot fit in `available` bytes (of `where`), before allocating it."""
+    if available is None:
+        return
+    need = CacheLayout.build(cfg, spec, dtype).nbytes
+    if need > available:
+        raise ConfigError(f"the KV cache would take {need / 2**30:.1f} GiB ({names[0]}={spec.num_blocks} blocks of "
+                          f"{spec.block_tokens} positions, {names[1]}={spec.max_seqs} slots), more than the "
+                          f"{available / 2**30:.1f} GiB of {where}; lower {names[0]} or {names[1]}")
+
+
+def host_memory() -> int | None:
+    """Bytes of host memory available now (Linux MemAvailable), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _option(name: str, value: Any, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid; expected {accepted}")
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
+                  gpu_memory_utilization, random_seed) -> None:
+    """Types and ranges of LLM's arguments, before anything is loaded."""
+    _option("model", model, model is None or isinstance(model, (str, Path)), "a model directory path (str or Path) or None")
+    _option("backend", backend, backend is None or isinstance(backend, str), "a target name or None")
+    _option("dtype", dtype, isinstance(dtype, str), f"one of auto, {', '.join(DTYPES)}")
+    _option("tokenizer", tokenizer, tokenizer is None or isinstance(tokenizer, (str, Path)),
+            "a tokenizer.json path (str or Path) or None")
+    _option("max_num_seqs", max_num_seqs, _count(max_num_seqs), "an integer >= 1")
+    _option("max_prefill_tokens", max_prefill_tokens, _count(max_prefill_tokens), "an integer >= 1")
+    _option("max_model_len", max_model_len, max_model_len is None or (_count(max_model_len) and max_model_len >= 2),
+            "an integer >= 2 (prompt and output positions) or None")
+    _option("num_blocks", num_blocks, num_blocks is None or _count(num_blocks), "an integer >= 1 or None")
+    _option("gpu_memory_utilization", gpu_memory_utilization,
+            isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
+            and 0 < gpu_memory_utilization <= 1, "a number in (0, 1]")
+    _option("random_seed", random_seed, isinstance(random_seed, int) and not isinstance(random_seed, bool),
+            "an integer")
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
+                          "path, or None for the model directory's own (else the V4 default)")
