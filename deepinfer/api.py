@@ -24,7 +24,10 @@ from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
-from deepinfer.options import cache_spec, check_cache_memory, check_options, host_memory, model_len, resolve_dtype
+from deepinfer.options import (cache_spec, check_cache_memory, check_options, fit_check, host_memory, model_len,
+                               resolve_dtype, tiny_weight_bytes)
+from deepinfer.runtime.cache import CacheLayout
+from deepinfer.weights.loader import weight_bytes
 
 log = logging.getLogger("deepinfer")
 
@@ -52,9 +55,10 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         random_seed: int = 0,
         show_progress: bool = False,
+        quantization: str = "auto",
     ):
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                      gpu_memory_utilization, random_seed)
+                      gpu_memory_utilization, random_seed, quantization)
         env = Env.read()
         model = model if model is not None else env.hf_model_dir
         self.model_dir = Path(model) if model is not None else None
@@ -71,11 +75,28 @@ class LLM:
         self.max_model_len = model_len(cfg, max_model_len)
         # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
+        # quantized checkpoint tensors stay FP8 / FP4 where the backend's ops take them (the reference ops today;
+        # the TileLang kernels for them are not written yet, so kernel backends dequantize)
+        self.keep_quantized = quantization == "auto" and self.backend.kernel_target is None
+        if quantization == "auto" and not self.keep_quantized and cfg.raw.get("quantization_config"):
+            log.info("quantized checkpoint: dequantized to %s for %s (its FP8/FP4 kernels are not built yet)",
+                     torch_dtype, self.backend.name)
         memory = self.backend.memory()
+        where = "host memory available" if memory is None else "the device's free memory"
+        available = host_memory() if memory is None else memory[0]
+        cache_need = 0
         if num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
             probe = cache_spec(cfg, None, torch_dtype, max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization)
             check_cache_memory(probe, cfg, torch_dtype, host_memory() if memory is None else memory[1],
                                "host memory available" if memory is None else "device memory")
+            cache_need = CacheLayout.build(cfg, probe, torch_dtype).nbytes
+        self.weight_bytes = (weight_bytes(self.model_dir, cfg, torch_dtype, self.keep_quantized)
+                             if self.model_dir is not None else tiny_weight_bytes(cfg, torch_dtype))
+        hints = ["lower --max-num-seqs, --max-model-len or --num-blocks"]
+        if quantization == "none" and cfg.raw.get("quantization_config"):
+            hints.insert(0, "keep the checkpoint's FP8/FP4 weights with --quantization auto")
+        hints.append("a model larger than one device needs several (expert parallelism: not supported yet)")
+        fit_check(self.weight_bytes, cache_need, available, where, hints)
         if self.backend.kernel_target is not None:
             check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
         if self.model_dir is None:
@@ -87,7 +108,8 @@ class LLM:
             from deepinfer.weights.loader import load_checkpoint
 
             bar = _progress_bar(show_progress, "loading weights", total=len(tensor_specs(cfg)))
-            ckpt = load_checkpoint(self.model_dir, cfg, torch_dtype, progress=None if bar is None else bar.update)
+            ckpt = load_checkpoint(self.model_dir, cfg, torch_dtype, progress=None if bar is None else bar.update,
+                                   keep_quantized=self.keep_quantized)
             if bar is not None:
                 bar.close()
             tensors = ckpt.tensors
@@ -102,6 +124,11 @@ class LLM:
         self.model = DeepseekV4(cfg, weights, self.backend.ops)
         self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.memory(), torch_dtype, max_num_seqs, max_model_len,
                                                 num_blocks, gpu_memory_utilization), torch_dtype, device)
+        gib = 2**30
+        self.memory_report = (f"memory on {device}: weights {self.weight_bytes / gib:.2f} GiB"
+                              + (" (FP8/FP4 kept)" if self.keep_quantized and cfg.raw.get("quantization_config") else "")
+                              + f", cache {self.cache.num_bytes() / gib:.2f} GiB")
+        log.debug(self.memory_report)
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())

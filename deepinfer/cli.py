@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -88,6 +89,10 @@ def run() -> None:
 @click.option("--stop", "stop", multiple=True, help="A stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="Compute dtype of the weights; auto = the target's default (float32 on the CPU, bfloat16 on GPUs/NPUs).")
+@click.option("--quantization", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="auto: FP8 / FP4 checkpoint tensors stay in their own precision where the backend's ops take "
+                   "them (the reference ops; kernel backends dequantize until their FP8/FP4 kernels exist); none: "
+                   "dequantized to --dtype at load.")
 @click.option("--output", "output", default="-", show_default=True,
               help="Output file, or - for stdout. Each result is written and flushed as soon as it finishes.")
 @click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default=None,
@@ -112,8 +117,11 @@ def offline(**options) -> None:
     output), 1 for an error that stops the run (named on stderr), 2 for a bad option, 130 when interrupted
     (SIGINT or SIGTERM; every result finished before it is on disk)."""
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    ctx = click.get_current_context()
+    explicit = frozenset(name for name in options if ctx.get_parameter_source(name) in (
+        click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT))
     try:
-        code = _offline(**options)
+        code = _offline(**options, explicit=explicit)
     except DeepInferError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
@@ -150,47 +158,69 @@ class _Item:
 
 
 def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
-             max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, **flags) -> int:
+             max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, explicit=frozenset(),
+             **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
+    from deepinfer.prompts_file import plain_line, read_lines
     from deepinfer.runtime.sampling import SamplingParams
 
     base = {name: flags[name] for name in _SAMPLING_FLAGS}
     base["stop"] = tuple(stop)
+    for name, value in base.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise click.BadParameter(f"{value} is not a finite number", param_hint=_flag(name))
     try:
         SamplingParams(**base)
     except RequestError as exc:
-        raise click.BadParameter(str(exc), param_hint="--stop") from exc
+        name = next((n for n in base if f"sampling parameter {n}=" in str(exc)), "stop")
+        raise click.BadParameter(str(exc), param_hint=_flag(name)) from exc
     items: list[_Item] = []
     for text in prompts:
         prompt = {"messages": [{"role": "user", "content": text}], "thinking": thinking} if chat else text
         items.append(_Item(len(items), f"--prompt {len(items)}", prompt, SamplingParams(**base)))
     for spec in token_ids:
         items.append(_Item(len(items), f"--token-ids {spec}", {"token_ids": _parse_ids(spec)}, SamplingParams(**base)))
+    lines = list(read_lines(Path(prompts_file))) if prompts_file else []
+    api_mode = any(error is None and "body" in obj for _, obj, error in lines)
     api_lines: list[dict[str, Any]] = []
-    if prompts_file:
-        for lineno, obj, error in _read_lines(Path(prompts_file)):
-            source = f"{prompts_file}:{lineno}"
-            if error is None and "body" in obj:  # a request in an API's own shape; checked per request by LLM.serve
-                api_lines.append(obj)
-                continue
-            item = _Item(len(items), source, error=error)
+    bad_lines: list[tuple[str, str]] = []  # API mode: (custom_id, message) of lines that are not requests
+    for lineno, obj, error in lines:
+        source = f"{prompts_file}:{lineno}"
+        if api_mode and error is None and "body" not in obj:
+            raise RequestError(f"{source}: a plain prompt line among requests in an API's shape (lines with a "
+                               "'body'); the two cannot be mixed in one run")
+        if api_mode:
             if error is None:
-                try:
-                    item.prompt, overrides = _plain_line(obj, thinking)
-                    item.params = SamplingParams(**{**base, **overrides})
-                except RequestError as exc:
-                    item.error = str(exc)
-            items.append(item)
-    if api_lines and items:
+                api_lines.append(obj)  # checked per request by LLM.serve
+            else:
+                bad_lines.append((f"line-{lineno}", f"{source}: {error}"))
+            continue
+        item = _Item(len(items), source, error=error)
+        if error is None:
+            try:
+                item.prompt, overrides = plain_line(obj, thinking)
+                item.params = SamplingParams(**{**base, **overrides})
+            except RequestError as exc:
+                item.error = str(exc)
+        items.append(item)
+    if api_mode and items:
         raise RequestError("requests in an API's shape (lines with a 'body') cannot be mixed with plain prompts "
                            "(--prompt, --token-ids or plain lines) in one run")
-    if stream and not api_lines:
+    ignored = sorted(explicit & (set(_SAMPLING_FLAGS) | {"stop", "thinking", "chat"})) if api_mode else []
+    if ignored:
+        raise click.UsageError(f"{', '.join(_flag(n) for n in ignored)}: requests in an API's shape carry their own "
+                               "parameters in their bodies; these options apply to plain prompts only")
+    if "thinking" in explicit and thinking and not any(isinstance(it.prompt, dict) and "messages" in it.prompt
+                                                       for it in items):
+        raise click.UsageError("--thinking applies to chat prompts (--prompt with --chat, or 'messages' lines); "
+                               "none was given")
+    if stream and not api_mode:
         raise RequestError("--stream needs requests in an API's shape (--prompts-file lines with a 'body')")
-    if api_lines and fmt == "text":
+    if api_mode and fmt == "text":
         raise RequestError("--format text: requests in an API's shape are answered as JSONL batch-output lines; "
                            "leave --format out or use --format jsonl")
-    if not items and not api_lines:
+    if not items and not api_mode:
         raise RequestError("no prompt given: use --prompt, --token-ids or --prompts-file")
 
     out = _open_output(output)  # before the model loads: a bad path fails now, not after minutes of loading
@@ -201,16 +231,16 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
                        "with RANDOM weights (its output is meaningless text)", err=True)
         llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
-                  show_progress=True)
+                  show_progress=True, quantization=quantization)
         ops = f"TileLang kernels for {llm.backend.kernel_target}" if llm.backend.kernel_target else "PyTorch reference ops"
         spec = llm.cache.spec
         click.echo(f"deepinfer: model {model_dir or 'tiny-random'} ({llm.config.num_hidden_layers} layers, "
                    f"{llm.model.dtype}), tokenizer {llm.recipe.path} ({llm.recipe.encoding_name} encoding), "
                    f"backend {llm.backend.name} ({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} "
-                   f"positions, max {llm.engine.max_len} per sequence", err=True)
-        if api_lines:
-            failed = _serve(llm, api_lines, stream, out)
-            n = len(api_lines)
+                   f"positions, max {llm.engine.max_len} per sequence; {llm.memory_report}", err=True)
+        if api_mode:
+            failed = _serve(llm, api_lines, stream, out, bad_lines)
+            n = len(api_lines) + len(bad_lines)
         else:
             failed = _generate(llm, items, fmt or "text", out)
             n = len(items)
@@ -259,10 +289,11 @@ def _generate(llm, items: list[_Item], fmt: str, out: TextIO) -> int:
     return failed
 
 
-def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO) -> int:
+def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO, bad_lines: list[tuple[str, str]]) -> int:
     """API-shaped requests: whole responses as OpenAI batch-output lines, or (--stream) chunks as they come;
-    each written and flushed as soon as it is final. Returns how many failed."""
-    from deepinfer.serving.api_requests import APIError
+    each written and flushed as soon as it is final; lines that are not requests (bad JSON, not an object)
+    first, as 400s. Returns how many failed."""
+    from deepinfer.serving.api_requests import APIError, error_body
 
     failed = 0
 
@@ -283,9 +314,15 @@ def _serve(llm, lines: list[dict[str, Any]], stream: bool, out: TextIO) -> int:
         emit({"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": r.custom_id,
               "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None})
 
+    for custom_id, message in bad_lines:
+        done(APIError(custom_id, 400, error_body(message)))
     on_chunk = (lambda custom_id, chunk: emit({"custom_id": custom_id, **chunk})) if stream else None
     llm.serve(lines, stream=stream, use_tqdm=len(lines) > 1 and not stream, on_chunk=on_chunk, on_output=done)
     return failed
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _parse_ids(spec: str) -> list[int]:
@@ -296,71 +333,6 @@ def _parse_ids(spec: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise click.BadParameter(f"{spec!r}: token ids must be integers >= 0, at least one", param_hint="--token-ids")
     return ids
-
-
-_ITEM_KEYS = ("prompt", "messages", "token_ids", "thinking", "so_args", "max_reasoning_tokens")
-_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "logit_bias", "seed", "stop", "ignore_eos")
-
-
-def _read_lines(path: Path):
-    """(line number, JSON object or None, error or None) for each non-blank line of a prompts file."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"--prompts-file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield lineno, None, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield lineno, None, f"not valid JSON: {exc}"
-            continue
-        if not isinstance(obj, dict):
-            yield lineno, None, f"each line must be a JSON object, got {type(obj).__name__}"
-            continue
-        bad = _lone_surrogate(obj)
-        if bad is not None:
-            yield lineno, None, f"a string holds a lone surrogate ({bad!r}), which is not valid Unicode text"
-            continue
-        yield lineno, obj, None
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """The first string (or key) in a JSON value that cannot be UTF-8 encoded, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return value[exc.start : exc.end]
-        return None
-    if isinstance(value, dict):
-        value = [*value.keys(), *value.values()]
-    if isinstance(value, list):
-        for v in value:
-            bad = _lone_surrogate(v)
-            if bad is not None:
-                return bad
-    return None
-
-
-def _plain_line(obj: dict[str, Any], thinking: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A plain prompts-file line -> (prompt object, sampling overrides); RequestError names an unknown key."""
-    overrides = {k: obj[k] for k in _OVERRIDES if obj.get(k) is not None}
-    item = {k: v for k, v in obj.items() if k in _ITEM_KEYS}
-    unknown = sorted(set(obj) - set(item) - set(_OVERRIDES))
-    if unknown:
-        raise RequestError(f"unknown key(s) {unknown}; accepted: {', '.join(_ITEM_KEYS)}, {', '.join(_OVERRIDES)}, "
-                           "or an API request line with 'body'")
-    if "messages" in item:
-        item.setdefault("thinking", thinking)
-    return item, overrides
 
 
 def _write(record, fmt: str, stream: TextIO) -> None:

@@ -167,11 +167,15 @@ def _int(raw: dict[str, Any], key: str, source: str, *, minimum: int = 1) -> int
     return value
 
 
-def _float(raw: dict[str, Any], key: str, source: str) -> float:
+def _float(raw: dict[str, Any], key: str, source: str, *, positive: bool = False) -> float:
     value = _get(raw, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise ConfigError(f"{source}: {key} must be a finite number{' > 0' if positive else ''}, got {value!r}")
     return float(value)
+
+
+MAX_POSITIONS = 1 << 24  # no V4 config comes near; keeps cache arithmetic in range
 
 
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
@@ -216,13 +220,27 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     if scoring not in SCORING_FUNCS:
         raise ConfigError(f"{source}: scoring_func {scoring!r} is not supported; accepted: {', '.join(SCORING_FUNCS)}")
 
+    vocab = _int(raw, "vocab_size", source)
     eos = _get(raw, "eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    if not all(isinstance(e, int) for e in eos_ids):
-        raise ConfigError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    if not eos_ids or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab for e in eos_ids):
+        raise ConfigError(f"{source}: eos_token_id must be a token id or a list of token ids in [0, vocab_size="
+                          f"{vocab}), got {eos!r}")
+    bos = raw.get("bos_token_id", 0)
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or not 0 <= bos < vocab):
+        raise ConfigError(f"{source}: bos_token_id must be a token id in [0, {vocab}) or null, got {bos!r}")
+    tie = raw.get("tie_word_embeddings", False)
+    if tie is not None and not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
+    positions = _int(raw, "max_position_embeddings", source)
+    if positions > MAX_POSITIONS:
+        raise ConfigError(f"{source}: max_position_embeddings={positions} is beyond {MAX_POSITIONS}")
+    dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    if not isinstance(dtype_name, str):
+        raise ConfigError(f"{source}: torch_dtype must be a dtype name such as 'bfloat16', got {dtype_name!r}")
 
     cfg = ModelConfig(
-        vocab_size=_int(raw, "vocab_size", source),
+        vocab_size=vocab,
         hidden_size=_int(raw, "hidden_size", source),
         num_hidden_layers=n_layers,
         num_attention_heads=_int(raw, "num_attention_heads", source),
@@ -241,20 +259,20 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         o_lora_rank=_int(raw, "o_lora_rank", source),
         hc_mult=_int(raw, "hc_mult", source),
         hc_sinkhorn_iters=_int(raw, "hc_sinkhorn_iters", source),
-        hc_eps=_float(raw, "hc_eps", source),
+        hc_eps=_float(raw, "hc_eps", source, positive=True),
         n_routed_experts=_int(raw, "n_routed_experts", source),
         num_experts_per_tok=_int(raw, "num_experts_per_tok", source),
         moe_intermediate_size=_int(raw, "moe_intermediate_size", source),
         scoring_func=scoring,
-        routed_scaling_factor=_float(raw, "routed_scaling_factor", source),
+        routed_scaling_factor=_float(raw, "routed_scaling_factor", source, positive=True),
         swiglu_limit=_float(raw, "swiglu_limit", source),
-        rms_norm_eps=_float(raw, "rms_norm_eps", source),
+        rms_norm_eps=_float(raw, "rms_norm_eps", source, positive=True),
         rope_main=rope_main,
         rope_compress=rope_compress,
-        max_position_embeddings=_int(raw, "max_position_embeddings", source),
-        bos_token_id=raw.get("bos_token_id", 0),
+        max_position_embeddings=positions,
+        bos_token_id=bos,
         eos_token_ids=eos_ids,
-        dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        dtype=dtype_name,
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         raw=raw,
     )
@@ -302,8 +320,8 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]:
     rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {rp!r}")
-    theta = _float(raw, "rope_theta", source)
-    compress_theta = _float(raw, "compress_rope_theta", source)
+    theta = _float(raw, "rope_theta", source, positive=True)
+    compress_theta = _float(raw, "compress_rope_theta", source, positive=True)
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main, compress = dict(rp["main"]), dict(rp["compress"])
         main.setdefault("rope_theta", theta)
@@ -323,7 +341,10 @@ def _rope_one(d: dict[str, Any], label: str, raw: dict[str, Any], source: str) -
     rope_type = d.get("rope_type", d.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: the {label!r} RoPE type {rope_type!r} is not supported; accepted: {', '.join(ROPE_TYPES)}")
-    theta = float(d["rope_theta"])
+    theta = d["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"{source}: the {label!r} RoPE's rope_theta must be a finite number > 0, got {theta!r}")
+    theta = float(theta)
     if rope_type == "default":
         return RopeConfig(theta=theta)
     orig = d.get("original_max_position_embeddings")

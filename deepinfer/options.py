@@ -95,7 +95,7 @@ def _count(value: Any) -> bool:
 
 
 def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                  gpu_memory_utilization, random_seed) -> None:
+                  gpu_memory_utilization, random_seed, quantization="auto") -> None:
     """Types and ranges of LLM's arguments, before anything is loaded."""
     _option("model", model, model is None or isinstance(model, (str, Path)), "a model directory path (str or Path) or None")
     _option("backend", backend, backend is None or isinstance(backend, str), "a target name or None")
@@ -110,8 +110,33 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
     _option("gpu_memory_utilization", gpu_memory_utilization,
             isinstance(gpu_memory_utilization, (int, float)) and not isinstance(gpu_memory_utilization, bool)
             and 0 < gpu_memory_utilization <= 1, "a number in (0, 1]")
-    _option("random_seed", random_seed, isinstance(random_seed, int) and not isinstance(random_seed, bool),
-            "an integer")
+    _option("random_seed", random_seed, isinstance(random_seed, int) and not isinstance(random_seed, bool)
+            and 0 <= random_seed < 2**63, "an integer in [0, 2**63)")
+    _option("quantization", quantization, quantization in QUANTIZATIONS,
+            "'auto' (FP8/FP4 checkpoint tensors kept in their own precision) or 'none' (dequantized to dtype)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
                           "path, or None for the model directory's own (else the V4 default)")
+
+
+QUANTIZATIONS = ("auto", "none")
+
+
+def fit_check(weights: int, cache: int, available: int | None, where: str, hints: list[str]) -> None:
+    """ConfigError, before anything is allocated, when weights and cache cannot fit in `available` bytes."""
+    if available is None or weights + cache <= available:
+        return
+    gib = 2**30
+    raise ConfigError(f"the model does not fit: weights {weights / gib:.1f} GiB + cache {cache / gib:.1f} GiB = "
+                      f"{(weights + cache) / gib:.1f} GiB, but {where} has {available / gib:.1f} GiB; "
+                      + "; ".join(hints))
+
+
+def tiny_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The bytes of a model made from `cfg` with every tensor at its kept dtype (no checkpoint: the tiny model)."""
+    import math
+
+    from deepinfer.model.weights import FP32, MODEL, tensor_specs
+
+    size = {MODEL: torch.empty((), dtype=dtype).element_size(), FP32: 4}
+    return sum(math.prod(spec.shape) * size.get(spec.kind, 8) for spec in tensor_specs(cfg).values())

@@ -123,6 +123,15 @@ MODEL_DIR_CASES = [
     ("config: rope type", _config("rope_parameters", {"rope_type": "weird", "factor": 2}), ConfigError, "'weird'"),
     ("config: o_groups", _config("o_groups", 7), ConfigError, "o_groups (7)"),
     ("config: max_position 0", _config("max_position_embeddings", 0), ConfigError, "max_position_embeddings"),
+    ("config: max_position huge", _config("max_position_embeddings", 2**62), ConfigError, str(2**62)),
+    ("config: rms_norm_eps -1", _config("rms_norm_eps", -1), ConfigError, "rms_norm_eps must be a finite number > 0"),
+    ("config: rope_theta 0", _config("rope_theta", 0), ConfigError, "rope_theta"),
+    ("config: eos -1", _config("eos_token_id", -1), ConfigError, "got -1"),
+    ("config: eos beyond vocab", _config("eos_token_id", [1, 10**9]), ConfigError, "1000000000"),
+    ("config: bos text", _config("bos_token_id", "x"), ConfigError, "bos_token_id"),
+    ("config: routed scaling -1", _config("routed_scaling_factor", -1), ConfigError, "routed_scaling_factor"),
+    ("config: tie text", _config("tie_word_embeddings", "yes"), ConfigError, "tie_word_embeddings"),
+    ("config: torch_dtype 5", _config("torch_dtype", 5), ConfigError, "torch_dtype"),
     ("checkpoint: zero bytes", _write("model.safetensors", b""), WeightsError, "model.safetensors"),
     ("checkpoint: truncated", _truncate(0.5), WeightsError, "truncated"),
     ("checkpoint: header only", _truncate(0.001), WeightsError, "model.safetensors"),
@@ -180,6 +189,8 @@ LLM_ARG_CASES = [
     ({"tokenizer": "/nope/tokenizer.json"}, "/nope/tokenizer.json"),
     ({"gpu_memory_utilization": 2}, "gpu_memory_utilization=2"),
     ({"random_seed": "x"}, "random_seed='x'"),
+    ({"quantization": "int4"}, "quantization='int4'"),
+    ({"random_seed": 2**70}, f"random_seed={2**70}"),
 ]
 
 
@@ -219,6 +230,7 @@ GENERATE_CASES = [
     (lambda llm: llm.generate({"prompt": "x", "so_args": "json"}), "got 'json'"),
     (lambda llm: llm.generate("hi", errors="ignore"), "errors='ignore'"),
     (lambda llm: llm.generate("hi", {"logit_bias": {"999999": 1}}), "logit_bias token id 999999"),
+    (lambda llm: llm.generate("hi", {"logit_bias": {"\u00b2": 1}}, errors="raise"), "logit_bias"),
     (lambda llm: llm.chat(["hello"]), "got ['hello']"),
     (lambda llm: llm.chat([]), "got []"),
     (lambda llm: llm.chat("hello"), "got 'hello'"),
@@ -311,6 +323,8 @@ API_CASES = [
     ("messages container", _msg(container="c1"), "['container']"),
     ("messages stop_sequences", _msg(stop_sequences=5), "stop_sequences"),
     ("messages server tool", _msg(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "server tools"),
+    ("chat stream true", _chat(stream=True), "stream=True"),
+    ("chat logit_bias digit", _chat(logit_bias={"\u00b2": 1}), "logit_bias"),
 ]
 
 
@@ -373,6 +387,7 @@ CLI_CASES = [
     (["--dtype", "fp8"], 2, "'fp8'"),
     (["--backend", "tpu"], 2, "'tpu'"),
     (["--format", "xml"], 2, "'xml'"),
+    (["--quantization", "int4"], 2, "'int4'"),
     (["--token-ids", "1,x"], 2, "'1,x'"),
     (["--token-ids=-5"], 2, "'-5'"),
     (["--prompts-file", "/nonexistent.jsonl"], 2, "/nonexistent.jsonl"),
@@ -380,6 +395,9 @@ CLI_CASES = [
     (["--output", "/"], 1, "'/'"),
     (["--model", "/nonexistent/model"], 1, "/nonexistent/model"),
     (["--stream"], 1, "--stream needs"),
+    (["--temperature", "nan"], 2, "--temperature: nan is not a finite number"),
+    (["--repetition-penalty", "inf"], 2, "--repetition-penalty: inf is not a finite number"),
+    (["--raw", "--thinking"], 2, "--thinking applies to chat prompts"),
 ]
 
 
@@ -402,6 +420,8 @@ def test_bad_cli_environment_and_combinations(tmp_path):
     api.write_text(json.dumps(_chat()) + "\n")
     result = run_cli(["run", "offline", "--prompts-file", str(api), "--format", "text"])
     assert result.exit_code == 1 and "--format text" in result.output
+    result = run_cli(["run", "offline", "--prompts-file", str(api), "--temperature", "0", "--stop", "x", "--thinking"])
+    assert result.exit_code == 2 and "--stop, --temperature, --thinking: requests in an API's shape" in result.output
     result = run_cli(["run", "offline", "--prompts-file", str(tmp_path)])
     assert result.exit_code == 2 and str(tmp_path) in result.output
     (tmp_path / "model-file").write_text("x")
@@ -488,3 +508,58 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_api_file_with_broken_lines_answers_the_others(tmp_path):
+    path, out = tmp_path / "api.jsonl", tmp_path / "out.jsonl"
+    path.write_text(json.dumps(dict(_chat(), custom_id="good")) + "\n{truncated\n[1]\n")
+    result = run_cli(["run", "offline", "--prompts-file", str(path), "--output", str(out)])
+    assert result.exit_code == EXIT_FAILED_REQUESTS, result.output
+    rows = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["good"]["response"]["status_code"] == 200
+    assert rows["line-2"]["response"]["status_code"] == 400 and "api.jsonl:2: not valid JSON" in \
+        rows["line-2"]["response"]["body"]["error"]["message"]
+    assert "got list" in rows["line-3"]["response"]["body"]["error"]["message"]
+
+
+def test_sharded_checkpoint_through_symlinks_loads(saved, tmp_path):
+    """The HF cache layout: snapshot files are symlinks into ../../blobs; names inside the directory are fine."""
+    from deepinfer.weights.loader import checkpoint_files
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    shutil.copy(saved / "model.safetensors", blobs / "abc123")
+    (snap / "model-00001-of-00001.safetensors").symlink_to("../../blobs/abc123")
+    shutil.copy(saved / "config.json", snap / "config.json")
+    from safetensors import safe_open
+
+    with safe_open(str(blobs / "abc123"), "pt") as f:
+        keys = list(f.keys())
+    (snap / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
+    assert len(checkpoint_files(snap)) == len(keys)
+    deepinfer.LLM(snap, max_num_seqs=2)
+
+
+def test_a_uniform_next_to_one_never_draws_a_dropped_token(monkeypatch):
+    import torch
+
+    from deepinfer.runtime import sampler
+
+    monkeypatch.setattr(sampler, "uniform", lambda key: 1 - 1e-12)
+    logits = torch.randn(2, 50)
+    logits[:, 40:] = float("-inf")
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5)]
+    tokens = sampler.sample(logits, params, [0, 1], [0, 0])
+    assert tokens[0] < 40 and tokens[1] in logits[1].topk(5).indices.tolist()
+
+
+def test_a_tiny_temperature_is_greedy():
+    import torch
+
+    from deepinfer.runtime.sampler import sample
+
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=t) for t in (1e-50, 1e-40, 1e-6)]
+    assert sample(logits, params, [0, 1, 2], [0, 0, 0]) == logits.argmax(-1).tolist()

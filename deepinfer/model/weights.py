@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.config import CSA, HASH_MOE, HCA, ModelConfig
 from deepinfer.errors import WeightsError
+from tilekernels.quant import BlockQuantized, cat_rows, dense
 
 # What dtype a tensor is kept in: the compute dtype, always fp32 (norms, mHC, sinks, biases), or int64.
 MODEL, FP32, INT = "model", "fp32", "int"
@@ -205,9 +206,8 @@ class ModelWeights:
                 tid2eid=t.get(m + "gate.tid2eid"),
                 gate_up=t[m + "experts.gate_up_proj"],
                 down=t[m + "experts.down_proj"],
-                shared_gate_up=torch.cat(
-                    [t[m + "shared_experts.gate_proj.weight"], t[m + "shared_experts.up_proj.weight"]], dim=0
-                ),
+                shared_gate_up=_join_rows(t[m + "shared_experts.gate_proj.weight"], t[m + "shared_experts.up_proj.weight"],
+                                          t["embed_tokens.weight"].dtype),
                 shared_down=t[m + "shared_experts.down_proj.weight"],
             )
             layers.append(
@@ -247,6 +247,15 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None
                     f"tensor {name} routes to expert ids in [{int(table.min())}, {int(table.max())}], "
                     f"outside [0, {cfg.n_routed_experts - 1}]"
                 )
+
+
+def _join_rows(gate, up, dtype: torch.dtype):
+    """gate [I, H] over up [I, H] -> [2I, H]; block-quantized halves stay quantized when the join falls on a block
+    boundary, else both become `dtype` (the model's)."""
+    if isinstance(gate, BlockQuantized) and isinstance(up, BlockQuantized) and gate.format == up.format \
+            and gate.block == up.block and gate.shape[-2] % gate.block[0] == 0:
+        return cat_rows([gate, up])
+    return torch.cat([dense(gate, dtype), dense(up, dtype)], dim=0)
 
 
 def _hc(t: Mapping[str, torch.Tensor], prefix: str) -> HyperConnection:

@@ -27,6 +27,8 @@ import torch
 
 from deepinfer.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams, draw_seed, uniform
 
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest fp32 below 1: a uniform never rounds up to 1 (past the last kept token)
+
 # the columns of a batch's packed parameters
 TEMP, TOPK, TOPP, MINP, REP, FREQ, PRES, U, GREEDY = range(9)
 WIDTH = 9
@@ -65,7 +67,7 @@ def pack(params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequ
     """The batch's parameters (and each row's uniform) as device tensors."""
     knobs = [[p.temperature if not p.greedy else 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p,
               p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-              0.0 if p.greedy else uniform(draw_seed(s, pos)), float(p.greedy)]
+              0.0 if p.greedy else min(uniform(draw_seed(s, pos)), _BELOW_ONE), float(p.greedy)]
              for p, s, pos in zip(params, seeds, positions)]
     width = max((len(p.logit_bias) for p in params), default=0) if bias_width is None else bias_width
     ids = [[0] * width for _ in params]

@@ -12,6 +12,7 @@ from deepinfer.errors import RequestError
 
 _MASK64 = (1 << 64) - 1
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 MAX_LOGIT_BIAS = 1024  # entries per request (the graph-captured sampler holds this many per row)
 PENALTY_RANGE = (-2.0, 2.0)
 
@@ -63,7 +64,7 @@ class SamplingParams:
                "an object mapping token ids to biases in [-100, 100]")
         bias = {}
         for token, value in self.logit_bias.items():
-            if isinstance(token, str) and token.strip().isdigit():  # JSON object keys are strings
+            if isinstance(token, str) and token.isascii() and token.strip().isdigit():  # JSON keys are strings
                 token = int(token)
             _check(_int(token) and token >= 0, "logit_bias", {token: value}, "token ids (integers >= 0) as keys")
             _check(_real(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1], "logit_bias",
@@ -88,7 +89,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below GREEDY_BELOW (where dividing the logits by it would overflow)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

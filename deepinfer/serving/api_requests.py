@@ -172,6 +172,10 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
             raise RequestError(f"'body' must be a request object, got {type(body).__name__}")
         body = dict(body)
         _refuse_unsupported(api, body)
+        if body.get("stream") is not None and body["stream"] is not stream:
+            raise _BadParam("stream", f"stream={body['stream']!r}, but this batch is {'' if stream else 'not '}"
+                                      "streamed: `deepinfer run offline --stream` (serve(stream=...)) decides for "
+                                      "the whole batch; leave 'stream' out of the body")
         extensions = {k: body.pop(k) for k in EXTENSIONS if k in body}
         so_args, budget = extensions.pop("so_args", None), extensions.pop("max_reasoning_tokens", None)
         if api == "messages":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,9 +18,10 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.errors import WeightsError
-from deepinfer.model.weights import FP32, INT, TensorSpec, tensor_specs
+from deepinfer.model.weights import FP32, INT, MODEL, TensorSpec, tensor_specs
 from deepinfer.weights.names import Target, classify
-from deepinfer.weights.quant import FP8_BLOCK, dequantize, is_quantized
+from deepinfer.weights.quant import FP8_BLOCK, as_quantized, dequantize, is_quantized
+from tilekernels.quant import BlockQuantized
 
 log = logging.getLogger("deepinfer.weights")
 
@@ -49,14 +51,13 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise WeightsError(f"{index} is not a valid safetensors index (needs a 'weight_map' object of tensor "
                                f"name -> shard file): {exc}") from None
-        root = model_dir.resolve()
         paths: dict[str, Path] = {}
         missing: dict[str, str] = {}
         for key, fname in weight_map.items():
             if not isinstance(fname, str) or not fname:
                 raise WeightsError(f"{index}: tensor {key!r} maps to {fname!r}; expected a shard file name")
             path = model_dir / fname
-            if not path.resolve().is_relative_to(root):
+            if Path(fname).is_absolute() or ".." in Path(fname).parts:  # by name: shards may be symlinks (HF cache)
                 raise WeightsError(f"{index}: shard {fname!r} (of tensor {key!r}) lies outside the model directory "
                                    f"{model_dir}; shards must be files inside it")
             if not path.is_file():
@@ -88,8 +89,12 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _keys(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, after checking that its header is whole and its data covers
-    every tensor (a truncated or zero-byte file is named here, before anything is loaded)."""
+    return list(read_header(path))
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor of a safetensors file: (dtype, shape), after checking that its header is whole and its data
+    covers every tensor (a truncated or zero-byte file is named here, before anything is loaded)."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -109,7 +114,41 @@ def _keys(path: Path) -> list[str]:
         raise WeightsError(f"checkpoint file {path} cannot be read: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise WeightsError(f"checkpoint file {path} is not a valid safetensors file ({exc})") from None
-    return [k for k in header if k != "__metadata__"]
+    return {k: (str(v["dtype"]), tuple(int(d) for d in v["shape"])) for k, v in header.items() if k != "__metadata__"}
+
+
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+          "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+
+def weight_bytes(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, keep_quantized: bool) -> int:
+    """The bytes the model's weights will take once loaded (quantized ones in their own precision with
+    `keep_quantized`, else at `dtype`), from the checkpoint's headers alone: nothing is read or allocated."""
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    header: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in sorted(set(files.values())):
+        header.update(read_header(path))
+    specs, names = tensor_specs(cfg), set(files)
+    targets = {key: classify(key, names) for key in files}
+    scaled = {(t.name, t.expert, t.part) for t in targets.values() if t.scale}
+    size = {MODEL: torch.empty((), dtype=dtype).element_size(), FP32: 4, INT: 8}
+    total = 0
+    for key, t in targets.items():
+        if t.kind == "mtp" or t.name not in specs:
+            continue
+        kind, (stored, shape) = specs[t.name].kind, header[key]
+        numel = math.prod(shape)
+        if t.scale:
+            total += numel * _BYTES.get(stored, 4) if keep_quantized else 0
+        elif (t.name, t.expert, t.part) in scaled:
+            packed = 2 if stored in ("I8", "U8") else 1  # FP4: two values per byte
+            total += numel * _BYTES.get(stored, 1) if keep_quantized else numel * packed * size[kind]
+        else:
+            total += numel * size[kind]
+    if cfg.raw.get("tie_word_embeddings") and not any(t.name == "lm_head.weight" for t in targets.values()):
+        total += math.prod(specs["lm_head.weight"].shape) * size[MODEL]
+    return total
 
 
 def load_checkpoint(
@@ -118,8 +157,10 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: Callable[[int], object] | None = None,
+    keep_quantized: bool = False,
 ) -> Checkpoint:
-    """Read every tensor `cfg` needs from `model_dir`, dequantized and cast (fp32 for norms/mHC/sinks/biases)."""
+    """Read every tensor `cfg` needs from `model_dir`, cast (fp32 for norms/mHC/sinks/biases); FP8 / FP4 tensors
+    are dequantized to `dtype`, or with `keep_quantized` kept in their own precision (`BlockQuantized`)."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -159,9 +200,9 @@ def load_checkpoint(
         spec = specs[name]
         target_dtype = torch.float32 if spec.kind == FP32 else torch.int64 if spec.kind == INT else dtype
         if sources[0][0].kind == "expert":
-            tensor = _stack_experts(name, spec, sources, read, target_dtype, block, ckpt)
+            tensor = _stack_experts(name, spec, sources, read, target_dtype, block, ckpt, keep_quantized)
         else:
-            tensor = _one(name, sources, read, target_dtype, block, ckpt)
+            tensor = _one(name, sources, read, target_dtype, block, ckpt, keep_quantized)
         if tuple(tensor.shape) != spec.shape:
             raise WeightsError(
                 f"tensor {name} ({sources[0][1]}) has shape {list(tensor.shape)}, but the config requires "
@@ -176,7 +217,7 @@ def load_checkpoint(
     return ckpt
 
 
-def _one(name, sources, read, dtype, block, ckpt) -> torch.Tensor:
+def _one(name, sources, read, dtype, block, ckpt, keep=False) -> torch.Tensor | BlockQuantized:
     values = [key for target, key in sources if not target.scale]
     scales = [key for target, key in sources if target.scale]
     if len(values) != 1:
@@ -184,32 +225,43 @@ def _one(name, sources, read, dtype, block, ckpt) -> torch.Tensor:
     tensor = read(values[0])
     if scales:
         ckpt.quantized += 1
-        return dequantize(name, tensor, read(scales[0]), dtype, block)
+        if keep:
+            return as_quantized(f"{name} ({values[0]})", tensor, read(scales[0]), block)
+        return dequantize(f"{name} ({values[0]})", tensor, read(scales[0]), dtype, block)
     if is_quantized(tensor) and dtype != torch.int64:
         raise WeightsError(f"tensor {name} ({values[0]}) is quantized ({tensor.dtype}) but has no scale tensor")
     return tensor.to(dtype)
 
 
-def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt) -> torch.Tensor:
+def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt,
+                   keep=False) -> torch.Tensor | BlockQuantized:
     n_experts, rows, _ = spec.shape
     parts: dict[tuple[int, str], dict[str, str]] = {}
     for target, key in sources:
         parts.setdefault((target.expert, target.part), {})["scale" if target.scale else "value"] = key
-    out = None
-    for (expert, part), keys in sorted(parts.items()):
+    for (expert, part), keys in parts.items():
         if not 0 <= expert < n_experts:
             raise WeightsError(f"{keys.get('value')}: expert index {expert} is outside [0, {n_experts - 1}]")
         if "value" not in keys:
             raise WeightsError(f"expert {expert} of {name} has a scale but no weight ({keys['scale']})")
+    needed = {(e, p) for e in range(n_experts) for p in (("down",) if name.endswith("down_proj") else ("gate", "up"))}
+    lacking = sorted(needed - set(parts))
+    if lacking:
+        raise WeightsError(f"the checkpoint lacks {len(lacking)} expert weight(s) of {name}, e.g. expert {lacking[0]}")
+    half = rows // 2
+    expect = {"gate": (half, spec.shape[2]), "up": (half, spec.shape[2]), "down": tuple(spec.shape[1:])}
+    if keep and all("scale" in keys for keys in parts.values()):
+        stacked = _stack_quantized(name, parts, read, block, ckpt, expect)
+        if stacked is not None:
+            return stacked
+    out = torch.empty(spec.shape, dtype=dtype)
+    for (expert, part), keys in sorted(parts.items()):
         tensor = read(keys["value"])
         if "scale" in keys:
             ckpt.quantized += 1
             tensor = dequantize(keys["value"], tensor, read(keys["scale"]), dtype, block)
         elif is_quantized(tensor):
             raise WeightsError(f"tensor {keys['value']} is quantized ({tensor.dtype}) but has no scale tensor")
-        if out is None:
-            out = torch.empty(spec.shape, dtype=dtype)
-        half = rows // 2
         dest = {"gate": out[expert, :half], "up": out[expert, half:], "down": out[expert]}[part]
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightsError(
@@ -217,8 +269,31 @@ def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt) ->
                 f"are {list(dest.shape)}"
             )
         dest.copy_(tensor)
-    needed = {(e, p) for e in range(n_experts) for p in (("down",) if name.endswith("down_proj") else ("gate", "up"))}
-    lacking = sorted(needed - set(parts))
-    if lacking:
-        raise WeightsError(f"the checkpoint lacks {len(lacking)} expert weight(s) of {name}, e.g. expert {lacking[0]}")
     return out
+
+
+def _stack_quantized(name, parts, read, block, ckpt, expect) -> BlockQuantized | None:
+    """Every expert's part kept quantized and stacked [E, rows, ...] (gate over up); None when the parts differ in
+    format or block, or gate and up cannot be joined on a block boundary (then they are dequantized)."""
+    kept = {}
+    for (expert, part), keys in sorted(parts.items()):
+        q = as_quantized(keys["value"], read(keys["value"]), read(keys["scale"]), block)
+        if tuple(q.shape) != expect[part]:
+            raise WeightsError(f"tensor {keys['value']} has shape {list(q.shape)}, but expert {part} weights of this "
+                               f"config are {list(expect[part])}")
+        kept[(expert, part)] = q
+    first = next(iter(kept.values()))
+    if any(q.format != first.format or q.block != first.block for q in kept.values()):
+        return None
+    experts = sorted({e for e, _ in kept})
+    if name.endswith("down_proj"):
+        per = [kept[(e, "down")] for e in experts]
+    else:
+        if expect["gate"][0] % first.block[0]:
+            return None
+        per = [BlockQuantized(torch.cat([kept[(e, "gate")].values, kept[(e, "up")].values]),
+                              torch.cat([kept[(e, "gate")].scales, kept[(e, "up")].scales]), first.block, first.format)
+               for e in experts]
+    ckpt.quantized += len(kept)
+    return BlockQuantized(torch.stack([q.values for q in per]), torch.stack([q.scales for q in per]), first.block,
+                          first.format)

@@ -1,5 +1,5 @@
-"""Dequantization of DeepSeek-V4's quantized checkpoint tensors (on the CPU reference path every weight is
-dequantized once at load time).
+"""DeepSeek-V4's quantized checkpoint tensors, checked and either kept in their own precision (`as_quantized`:
+a `tilekernels.quant.BlockQuantized` the ops take) or dequantized once at load (`dequantize`).
 
 - Dense linears: FP8 e4m3 values with one scale per 128x128 block (the block comes from the config's
   `quantization_config.weight_block_size`).
@@ -12,56 +12,58 @@ from __future__ import annotations
 import torch
 
 from deepinfer.errors import WeightsError
+from tilekernels.quant import FP4_BLOCK, BlockQuantized, grid
 
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_BLOCK = (128, 128)
-FP4_BLOCK = (1, 32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, getattr(torch, "float8_e8m0fnu", None))
 
 
 def is_quantized(weight: torch.Tensor) -> bool:
     return weight.dtype in _FP8_DTYPES or weight.dtype in _FP4_DTYPES
 
 
-def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == torch.uint8:  # raw e8m0 exponents
-        return (scale.to(torch.float32) - 127.0).exp2()
-    return scale.to(torch.float32)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] bytes holding two e2m1 values each (low nibble first) -> fp32 [..., K]."""
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    u8 = packed.contiguous().view(torch.uint8)
-    values = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
-    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
-def dequantize(
-    name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, fp8_block: tuple[int, int] = FP8_BLOCK
-) -> torch.Tensor:
-    """Dequantize `weight` ([..., N, K] FP8, or [..., N, K/2] packed FP4) with its block scales.
-
-    Leading dims (stacked experts) are dequantized one slice at a time to bound the fp32 scratch."""
+def as_quantized(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                 fp8_block: tuple[int, int] = FP8_BLOCK) -> BlockQuantized:
+    """`weight` ([..., N, K] FP8, or [..., N, K/2] packed FP4) with its block scales, checked: a WeightsError names
+    the tensor when its dtype is not a quantized one, the scale's dtype is not a scale's, or the scale grid does
+    not match the weight."""
     if weight.dtype in _FP8_DTYPES:
-        block, cols = fp8_block, weight.shape[-1]
+        fmt, block, cols = "fp8", fp8_block, weight.shape[-1]
+        values = weight.to(torch.float8_e4m3fn) if weight.dtype != torch.float8_e4m3fn else weight
     elif weight.dtype in _FP4_DTYPES:
-        block, cols = FP4_BLOCK, 2 * weight.shape[-1]
+        fmt, block, cols = "fp4", FP4_BLOCK, 2 * weight.shape[-1]
+        values = weight.contiguous().view(torch.uint8)
     else:
-        raise WeightsError(f"tensor {name} has a scale but dtype {weight.dtype}; expected FP8 e4m3 or packed FP4")
+        raise WeightsError(f"tensor {name} has a scale but dtype {weight.dtype}; expected FP8 e4m3 or packed FP4 "
+                           f"(int8/uint8 bytes)")
+    if scale.dtype not in _SCALE_DTYPES:
+        raise WeightsError(f"the scale of tensor {name} has dtype {scale.dtype}; expected fp32, bf16, ue8m0 "
+                           f"(float8_e8m0fnu) or e8m0 exponent bytes (uint8)")
     rows = weight.shape[-2]
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != weight.shape[:-2]:
+    want = tuple(weight.shape[:-2]) + grid(rows, cols, block)
+    if tuple(scale.shape) != want:
         raise WeightsError(
             f"tensor {name}: scale shape {list(scale.shape)} does not match the {block[0]}x{block[1]} block grid "
-            f"{list(weight.shape[:-2]) + list(grid)} of its {rows}x{cols} weight"
+            f"{list(want)} of its {rows}x{cols} weight"
         )
-    out = torch.empty(*weight.shape[:-2], rows, cols, dtype=dtype, device=weight.device)
-    flat_w, flat_s, flat_o = weight.reshape(-1, *weight.shape[-2:]), scale.reshape(-1, *grid), out.view(-1, rows, cols)
-    for i in range(flat_w.shape[0]):
-        w = flat_w[i]
-        values = w.to(torch.float32) if w.dtype in _FP8_DTYPES else unpack_fp4(w)
-        s = scale_to_float(flat_s[i]).repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-        flat_o[i] = (values * s[:rows, :cols]).to(dtype)
+    if scale.dtype in (torch.bfloat16, torch.float16):
+        scale = scale.to(torch.float32)
+    return BlockQuantized(values, scale, block, fmt)
+
+
+def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               fp8_block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+    """Dequantize `weight` with its block scales (checked as `as_quantized` does). Leading dims (stacked experts)
+    are dequantized one slice at a time to bound the fp32 scratch."""
+    q = as_quantized(name, weight, scale, fp8_block)
+    if q.values.dim() == 2:
+        return q.dequantize(dtype)
+    out = torch.empty(q.shape, dtype=dtype, device=weight.device)
+    flat = out.view(-1, *q.shape[-2:])
+    values = q.values.reshape(-1, *q.values.shape[-2:])
+    scales = q.scales.reshape(-1, *q.scales.shape[-2:])
+    for i in range(flat.shape[0]):
+        flat[i] = BlockQuantized(values[i], scales[i], q.block, q.format).dequantize(dtype)
     return out

@@ -6,16 +6,19 @@ import torch
 from tilekernels import dtypes
 from tilekernels.op import OpDecl, require
 from tilekernels.ops import linear
+from tilekernels.quant import BlockQuantized, dense
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, g, Din], weight [g * Dout, Din] (group-major rows) -> [N, g, Dout]."""
+def reference(x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    """x [N, g, Din], weight [g * Dout, Din] (group-major rows; block-quantized: dequantized) -> [N, g, Dout]."""
     n, groups, din = x.shape
-    w = weight.view(groups, -1, din).transpose(1, 2)  # [g, Din, Dout]
+    w = dense(weight, x.dtype).view(groups, -1, din).transpose(1, 2)  # [g, Din, Dout]
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
 def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    require(not isinstance(weight, BlockQuantized), "grouped_linear",
+            "block-quantized weights have no kernel yet: load them with quantization='none'")
     n, groups, din = x.shape
     require(weight.shape[1] == din and weight.shape[0] % groups == 0, "grouped_linear",
             f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")

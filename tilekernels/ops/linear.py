@@ -18,11 +18,12 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.quant import BlockQuantized, dense
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K], weight [N, K] -> [..., N]."""
-    return torch.nn.functional.linear(x, weight)
+def reference(x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    """x [..., K], weight [N, K] (plain, or block-quantized: dequantized to x's dtype) -> [..., N]."""
+    return torch.nn.functional.linear(x, dense(weight, x.dtype))
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,8 @@ def gemm(launch, a: torch.Tensor, weight: torch.Tensor, v: Variant) -> torch.Ten
 
 
 def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    require(not isinstance(weight, BlockQuantized), "linear",
+            "block-quantized weights have no kernel yet: load them with quantization='none'")
     require(x.shape[-1] == weight.shape[1], "linear", f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     require(x.dtype == weight.dtype, "linear", f"x is {x.dtype} but weight is {weight.dtype}")
     n, k = weight.shape

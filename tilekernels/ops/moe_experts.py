@@ -18,6 +18,7 @@ import torch
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, require
 from tilekernels.ops import linear, swiglu
+from tilekernels.quant import BlockQuantized, dense
 
 
 def reference(
@@ -28,7 +29,8 @@ def reference(
     down: torch.Tensor,
     limit: float,
 ) -> torch.Tensor:
-    """x [N, H], weights/indices [N, k], gate_up [E, 2I, H], down [E, H, I] -> [N, H]."""
+    """x [N, H], weights/indices [N, k], gate_up [E, 2I, H], down [E, H, I] (plain or block-quantized,
+    dequantized one expert at a time) -> [N, H]."""
     out = torch.zeros_like(x)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -40,8 +42,8 @@ def reference(
         if count == 0:
             continue
         tok = tokens[start : start + count]
-        h = swiglu.reference(torch.nn.functional.linear(x[tok], gate_up[expert]), limit)
-        y = torch.nn.functional.linear(h, down[expert]) * slot_weights[start : start + count, None]
+        h = swiglu.reference(torch.nn.functional.linear(x[tok], dense(gate_up[expert], x.dtype)), limit)
+        y = torch.nn.functional.linear(h, dense(down[expert], x.dtype)) * slot_weights[start : start + count, None]
         out.index_add_(0, tok, y.to(out.dtype))
         start += count
     return out
@@ -133,6 +135,8 @@ def variant(n: int, k: int, experts: int, dtype: str) -> Variant:
 
 def run(launch, x, weights, indices, gate_up, down, limit):
     """Meta-tensor safe: no host reads of tensor values (the layout's tile count is a static bound)."""
+    require(not isinstance(gate_up, BlockQuantized) and not isinstance(down, BlockQuantized), "moe_experts",
+            "block-quantized experts have no kernel yet: load them with quantization='none'")
     n_tok, hidden = x.shape
     experts, two_i, _ = gate_up.shape
     inter = two_i // 2

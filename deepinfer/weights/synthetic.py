@@ -1,0 +1,118 @@
+"""Synthetic quantized DeepSeek-V4 checkpoints, in the layouts the loader reads: the attention projections and
+shared experts in FP8 e4m3 with one ue8m0 scale per block (the config's `weight_block_size`), the routed
+experts in FP4 e2m1 packed two per byte with one ue8m0 scale per 1x32 block; embeddings, the LM head, the
+router, norms and mHC tensors as they are.
+
+Two spellings: "hf" (HF in-memory names, `model.layers.N.self_attn.q_a_proj.weight` with
+`..._scale_inv`, stacked experts `mlp.experts.gate_up_proj` / `down_proj`) and "upstream" (DeepSeek's own,
+`layers.N.attn.wq_a.weight` with `.scale`, per-expert `ffn.experts.E.w1/w2/w3.weight`; the tensors that are not
+quantized keep HF in-memory names, which the loader also reads). Used for CI (tiny models written to disk)
+and for benchmarks (the V4-Flash slice).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from deepinfer.config import ModelConfig
+from tilekernels.quant import BlockQuantized, quantize
+
+FP8_WEIGHTS = re.compile(r"\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight$|"
+                         r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERTS = re.compile(r"^(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_UPSTREAM = {"q_a_proj": "attn.wq_a", "q_b_proj": "attn.wq_b", "kv_proj": "attn.wkv", "o_a_proj": "attn.wo_a",
+             "o_b_proj": "attn.wo_b", "gate_proj": "ffn.shared_experts.w1", "up_proj": "ffn.shared_experts.w3",
+             "down_proj": "ffn.shared_experts.w2"}
+
+
+def _ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    return scales.to(torch.float8_e8m0fnu)
+
+
+def quantized_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], spelling: str = "hf",
+                      block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Canonical-name tensors (as `deepinfer.tiny.random_tensors` makes) -> checkpoint tensors, quantized."""
+    if spelling not in ("hf", "upstream"):
+        raise ValueError(f"spelling {spelling!r} is not one of 'hf', 'upstream'")
+    qc = cfg.raw.get("quantization_config") or {}
+    block = tuple(block or qc.get("weight_block_size") or (128, 128))
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, q: BlockQuantized, upstream: str) -> None:
+        values = q.values if q.format == "fp8" else q.values.view(torch.int8)
+        if spelling == "hf":
+            out["model." + name] = values
+            out["model." + name + "_scale_inv"] = _ue8m0(q.scales)
+        else:
+            out[upstream + ".weight"] = values
+            out[upstream + ".scale"] = _ue8m0(q.scales)
+
+    for name, tensor in tensors.items():
+        m = FP8_WEIGHTS.search(name)
+        e = EXPERTS.match(name)
+        if m:
+            layer = name.split(".mlp.")[0].split(".self_attn.")[0]
+            put(name, quantize(tensor, "fp8", block), f"{layer}.{_UPSTREAM[m.group(1) or m.group(2)]}")
+        elif e and spelling == "hf":
+            put(name, quantize(tensor, "fp4"), "")
+        elif e:  # upstream: one tensor per expert and part (gate w1 over up w3, down w2)
+            layer, kind = e.group(1), e.group(2)
+            for expert in range(tensor.shape[0]):
+                rows = tensor.shape[1] // 2
+                parts = {"w2": tensor[expert]} if kind == "down_proj" else {"w1": tensor[expert, :rows],
+                                                                            "w3": tensor[expert, rows:]}
+                for part, w in parts.items():
+                    q = quantize(w, "fp4")
+                    out[f"{layer}.ffn.experts.{expert}.{part}.weight"] = q.values.view(torch.int8)
+                    out[f"{layer}.ffn.experts.{expert}.{part}.scale"] = _ue8m0(q.scales)
+        else:
+            out["model." + name] = tensor
+    return out
+
+
+def write_checkpoint(path: str | Path, raw_config: dict[str, Any], tensors: Mapping[str, torch.Tensor],
+                     spelling: str = "hf", block: tuple[int, int] = (128, 128)) -> Path:
+    """A model directory (config.json with its `quantization_config`, model.safetensors) of `tensors`
+    (canonical names) quantized as above."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = dict(raw_config)
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                  "weight_block_size": list(block), "expert_dtype": "fp4"}
+    cfg = ModelConfig.from_dict(raw)
+    (path / "config.json").write_text(json.dumps(raw, indent=1))
+    save_file({k: v.contiguous() for k, v in quantized_tensors(cfg, tensors, spelling, block).items()},
+              str(path / "model.safetensors"))
+    return path
+
+
+def native_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 block: tuple[int, int] = (128, 128)) -> dict[str, int]:
+    """The bytes of `cfg`'s weights in the layout above (FP8 + ue8m0 block scales, FP4 experts + 1x32 ue8m0
+    scales, the rest at `dtype` / fp32), by class, computed from the shapes alone."""
+    import math
+
+    from deepinfer.model.weights import FP32, INT, tensor_specs
+    from tilekernels.quant import FP4_BLOCK, grid
+
+    size = torch.empty((), dtype=dtype).element_size()
+    out = {"fp8 dense": 0, "fp4 experts": 0, f"{str(dtype).removeprefix('torch.')}": 0, "fp32 / int": 0}
+    for name, spec in tensor_specs(cfg).items():
+        *lead, rows, cols = spec.shape if len(spec.shape) > 1 else (1, spec.shape[0])
+        if FP8_WEIGHTS.search(name):
+            out["fp8 dense"] += rows * cols + math.prod(grid(rows, cols, block))
+        elif EXPERTS.match(name):
+            out["fp4 experts"] += math.prod(lead) * (rows * cols // 2 + math.prod(grid(rows, cols, FP4_BLOCK)))
+        elif spec.kind in (FP32, INT):
+            out["fp32 / int"] += math.prod(spec.shape) * (4 if spec.kind == FP32 else 8)
+        else:
+            out[f"{str(dtype).removeprefix('torch.')}"] += math.prod(spec.shape) * size
+    return out

@@ -1,0 +1,108 @@
+"""Checkpoints kept in their own precision (`quantization="auto"` on the reference ops): FP8 dense weights and
+FP4 experts stay quantized, give exactly the logits of the same weights dequantized at load, and bad quantized
+tensors are named."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import deepinfer
+from deepinfer.cli import main
+from deepinfer.errors import WeightsError
+from deepinfer.runtime.sampling import SamplingParams
+from deepinfer.tiny import random_tensors, tiny_config
+from deepinfer.weights.synthetic import write_checkpoint
+from tilekernels.quant import BlockQuantized
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["hf", "upstream"])
+def quantized(request, tmp_path_factory):
+    cfg = tiny_config()
+    return write_checkpoint(tmp_path_factory.mktemp("q") / request.param, cfg.raw, random_tensors(cfg, seed=1),
+                            request.param, block=(32, 32))
+
+
+def _bytes(weights) -> int:
+    total = 0
+    for t in weights.values():
+        total += t.nbytes if isinstance(t, BlockQuantized) else t.numel() * t.element_size()
+    return total
+
+
+def test_kept_quantized_equals_dequantized_at_load(quantized):
+    kept = deepinfer.LLM(quantized, quantization="auto", max_num_seqs=2)
+    dense = deepinfer.LLM(quantized, quantization="none", max_num_seqs=2)
+    layer = kept.model.weights.layers[0]
+    assert isinstance(layer.attn.q_a_proj, BlockQuantized) and layer.attn.q_a_proj.format == "fp8"
+    assert isinstance(layer.moe.gate_up, BlockQuantized) and layer.moe.gate_up.format == "fp4"
+    assert isinstance(layer.moe.shared_gate_up, BlockQuantized)  # gate over up joined on a block boundary
+    assert not isinstance(dense.model.weights.layers[0].attn.q_a_proj, BlockQuantized)
+    ids = list(range(5, 60))
+    for a, b in zip(kept.generate([{"token_ids": ids}, {"token_ids": ids[:7]}], GREEDY, use_tqdm=False),
+                    dense.generate([{"token_ids": ids}, {"token_ids": ids[:7]}], GREEDY, use_tqdm=False)):
+        assert a.token_ids == b.token_ids
+    x = torch.randn(3, kept.config.hidden_size)
+    assert torch.equal(kept.backend.ops.linear(x, layer.attn.q_a_proj),
+                       dense.backend.ops.linear(x, dense.model.weights.layers[0].attn.q_a_proj))
+    assert kept.weight_bytes < dense.weight_bytes
+
+
+def test_weight_bytes_are_known_before_loading(quantized):
+    from deepinfer.config import ModelConfig
+    from deepinfer.weights.loader import load_checkpoint, weight_bytes
+
+    cfg = ModelConfig.from_model_dir(quantized)
+    for keep in (True, False):
+        loaded = load_checkpoint(quantized, cfg, torch.float32, keep_quantized=keep).tensors
+        assert weight_bytes(quantized, cfg, torch.float32, keep) == _bytes(loaded)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_cli_runs_a_quantized_checkpoint(quantized, quantization):
+    result = CliRunner().invoke(main, ["run", "offline", "--model", str(quantized), "--token-ids", "5,6,7",
+                                       "--max-new-tokens", "3", "--quantization", quantization])
+    assert result.exit_code == 0, result.output
+    assert "3 generated" in result.output and "memory on cpu: weights" in result.output
+
+
+def _edit(src, dst, edit):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def _key(tensors, suffix):
+    return next(k for k in sorted(tensors) if k.endswith(suffix))
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("scale grid", lambda t: t.__setitem__(_key(t, "q_a_proj.weight_scale_inv"),
+                                           t[_key(t, "q_a_proj.weight_scale_inv")][:, :1].contiguous()),
+     "q_a_proj.weight): scale shape"),
+    ("scale dtype", lambda t: t.__setitem__(_key(t, "kv_proj.weight_scale_inv"),
+                                            torch.ones_like(t[_key(t, "kv_proj.weight_scale_inv")], dtype=torch.int32)),
+     "the scale of tensor layers.0.self_attn.kv_proj.weight"),
+    ("weight dtype", lambda t: t.__setitem__(_key(t, "o_b_proj.weight"), t[_key(t, "o_b_proj.weight")].float()),
+     "o_b_proj.weight) has a scale but dtype torch.float32"),
+    ("missing scale", lambda t: t.pop(_key(t, "q_b_proj.weight_scale_inv")),
+     "q_b_proj.weight) is quantized (torch.float8_e4m3fn) but has no scale tensor"),
+    ("expert scale grid", lambda t: t.__setitem__(_key(t, "experts.down_proj_scale_inv"),
+                                                  t[_key(t, "experts.down_proj_scale_inv")][..., :1].contiguous()),
+     "experts.down_proj"),
+])
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_bad_quantized_tensors_are_named(tmp_path, name, edit, message, quantization):
+    cfg = tiny_config()
+    src = write_checkpoint(tmp_path / "src", cfg.raw, random_tensors(cfg, seed=2), "hf", block=(32, 32))
+    bad = _edit(src, tmp_path / "bad", edit)
+    with pytest.raises(WeightsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        deepinfer.LLM(bad, quantization=quantization, max_num_seqs=2)
