@@ -115,23 +115,27 @@ def quantize(weight: torch.Tensor, format: str, block: tuple[int, int] | None = 
              pow2_scales: bool = True) -> BlockQuantized:
     """Round a weight [..., N, K] to a block-scaled format (the synthetic checkpoints' generator and tests): each
     block's scale maps its largest magnitude onto the format's largest value (a power of two with
-    `pow2_scales`, as ue8m0 needs, rounded up so nothing clips)."""
+    `pow2_scales`, as ue8m0 needs, rounded up so nothing clips). Leading dims are done one slice at a time."""
     block = FP4_BLOCK if format == "fp4" else (block or (128, 128))
+    if weight.dim() > 2:
+        parts = [quantize(w, format, block, pow2_scales) for w in weight.reshape(-1, *weight.shape[-2:])]
+        lead = weight.shape[:-2]
+        return BlockQuantized(torch.stack([p.values for p in parts]).reshape(*lead, *parts[0].values.shape),
+                              torch.stack([p.scales for p in parts]).reshape(*lead, *parts[0].scales.shape),
+                              block, format)
     w = weight.to(torch.float32)
-    rows, cols = w.shape[-2:]
+    rows, cols = w.shape
     g = grid(rows, cols, block)
     pad = torch.nn.functional.pad(w, (0, g[1] * block[1] - cols, 0, g[0] * block[0] - rows))
-    tiles = pad.reshape(*w.shape[:-2], g[0], block[0], g[1], block[1])
-    amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
+    amax = pad.reshape(g[0], block[0], g[1], block[1]).abs().amax(dim=(1, 3)).clamp(min=1e-12)
     scale = amax / (FP4_MAX if format == "fp4" else FP8_MAX)
     if pow2_scales:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    full = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)[..., :rows, :cols]
+    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:rows, :cols]
     scaled = w / full
     if format == "fp8":
         return BlockQuantized(scaled.to(torch.float8_e4m3fn), scale, block, "fp8")
-    lut = torch.tensor(FP4_E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
-    codes = (scaled.abs()[..., None] - lut).abs().argmin(dim=-1).to(torch.uint8)  # nearest magnitude
+    mags = torch.tensor(FP4_E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
+    codes = torch.bucketize(scaled.abs(), (mags[1:] + mags[:-1]) / 2).to(torch.uint8)  # nearest magnitude
     codes |= ((scaled < 0) & (codes > 0)).to(torch.uint8) << 3
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return BlockQuantized(packed, scale, block, "fp4")
+    return BlockQuantized(codes[:, 0::2] | (codes[:, 1::2] << 4), scale, block, "fp4")

@@ -89,3 +89,16 @@ def test_kernel_replays_from_a_cuda_graph(name, sm90_ops, cuda):
     graph.replay()
     torch.cuda.synchronize()
     compare(name, out, DECLARED[name].reference(*args), args)
+
+
+def test_fp4_experts_at_v4_flash_widths(cuda, sm90_ops):
+    """FP4 experts converted in the kernel against the reference on the same FP4 weights (dequantized: e2m1 times
+    a power of two is exact in bf16, so the bf16 GEMM tolerance applies unchanged), decode to prefill sizes."""
+    from tilekernels.ops import moe_experts
+
+    v = moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True)
+    torch.manual_seed(0)
+    for tokens in (1, 64, 700):
+        args = moe_experts.example(v, tokens, cuda)
+        compare("moe_experts", sm90_ops.moe_experts(*args), moe_experts.reference(*args))
+        del args

@@ -48,6 +48,8 @@ CASES = {
     "moe_gate-sigmoid-odd": ("moe_gate", moe_gate.Variant(6, 2, "sigmoid", F), 7),
     "moe_gate-hash": ("moe_gate", moe_gate.Variant(16, 3, "sqrtsoftplus", F, hashed=True), 9),
     "moe_experts": ("moe_experts", moe_experts.Variant(32, 48, 4, F), 10),
+    "moe_experts-fp4": ("moe_experts", moe_experts.Variant(64, 64, 4, F, fp4=True), 10),
+    "moe_experts-fp4-ragged": ("moe_experts", moe_experts.Variant(192, 96, 5, F, fp4=True), 33),
     "hc_pre": ("hc_pre", hc_pre.Variant(4, 64, 20, F), 5),
     "hc_pre-ragged": ("hc_pre", hc_pre.Variant(3, 40, 3, F), 3),
     "hc_post": ("hc_post", hc_post.Variant(4, 64, F), 5),

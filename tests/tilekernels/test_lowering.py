@@ -22,6 +22,7 @@ CASES = {
     ("linear", "gemm"): linear.Variant(1024, 4096, "bfloat16"),
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
+    ("moe_experts", "grouped_gemm_fp4"): moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True),
     ("hc_pre", "hc_pre"): hc_pre.Variant(4, 4096, 20, "bfloat16"),
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),

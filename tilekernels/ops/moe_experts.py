@@ -18,7 +18,7 @@ import torch
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, require
 from tilekernels.ops import linear, swiglu
-from tilekernels.quant import BlockQuantized, dense
+from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, quantize
 
 
 def reference(
@@ -56,6 +56,7 @@ class Variant:
     experts: int
     dtype: str
     block_m: int = 64  # rows per M tile; every expert's rows start on a tile boundary
+    fp4: bool = False  # weights FP4 e2m1 packed two per byte with one ue8m0 exponent byte per 1x32 block
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,60 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
+def body_fp4(P, v: Variant, cfg: Config):
+    """The grouped GEMM with FP4 weights, converted in the kernel: each K step stages the weight tile's bytes
+    and exponents, and a vector region decodes e2m1 * 2^(e - 127) into the operand tile (Hopper has no FP4 MMA;
+    the conversion runs beside the activations' tile loads)."""
+    T = P.T
+    N, K, E, BM, dtype = v.n, v.k, v.experts, v.block_m, v.dtype
+    require(K % FP4_BLOCK[1] == 0, "moe_experts", f"FP4 weights need K divisible by {FP4_BLOCK[1]}, got {K}")
+    BN, NT = linear.edge_tile(N, cfg.block_n, cfg.min_block_n)
+    BK = max(FP4_BLOCK[1], cfg.block_k // FP4_BLOCK[1] * FP4_BLOCK[1])
+    KT = -(-K // BK)
+    KP, KS = K // 2, K // FP4_BLOCK[1]
+    MT = T.dynamic("MT")
+    threads = cfg.threads
+
+    @T.prim_func
+    def kernel(A: T.Tensor((MT * BM, K), dtype), W: T.Tensor((E, N, KP), "uint8"), S: T.Tensor((E, N, KS), "uint8"),
+               TileExpert: T.Tensor((MT,), "int32"), C: T.Tensor((MT * BM, N), dtype)):
+        with P.kernel(MT * NT, threads) as pid:
+            a_op = P.alloc_operand((BM, BK), dtype)
+            b_op = P.alloc_operand((BN, BK), dtype)
+            w_io = P.alloc_io((BN, BK // 2), "uint8")
+            s_io = P.alloc_io((BN, BK // FP4_BLOCK[1]), "uint8")
+            acc = P.alloc_acc((BM, BN), "float32")
+            for t in P.tiles(MT * NT, pid):
+                m0 = t // NT * BM
+                n0 = t % NT * BN
+                if TileExpert[t // NT] >= 0:
+                    for kk in T.serial(KT):
+                        T.copy(A[m0, kk * BK], a_op)
+                        T.copy(W[TileExpert[t // NT], n0, kk * (BK // 2)], w_io)
+                        T.copy(S[TileExpert[t // NT], n0, kk * (BK // FP4_BLOCK[1])], s_io)
+                        with P.vector(threads):
+                            for i, j in T.Parallel(BN, BK):
+                                byte = T.cast(w_io[i, j // 2], "int32")  # bound on its own: Ascend lowers it so
+                                nib = T.shift_right(byte, (j % 2) * 4) & 15
+                                ex = T.shift_right(nib, 1) & 3
+                                frac = 1.0 + T.cast(nib & 1, "float32") * 0.5
+                                mag = T.if_then_else(ex == 0, frac - 1.0, T.exp2(T.cast(ex - 1, "float32")) * frac)
+                                scale = T.exp2(T.cast(T.cast(s_io[i, j // FP4_BLOCK[1]], "int32") - 127, "float32"))
+                                val = T.if_then_else(nib >= 8, -mag, mag) * scale
+                                b_op[i, j] = T.cast(T.if_then_else(kk * BK + j < K, val, 0.0), dtype)
+                        P.gemm(a_op, b_op, acc, clear_accum=kk == 0)
+                    P.store_acc(acc, C[m0, n0])
+
+    return kernel
+
+
 _CPU = Config(block_n=16, block_k=16, stages=0, threads=1)
+KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, configs={
+    "default": Config(block_n=128, block_k=64, stages=0, threads=128),
+    "sm100": Config(block_n=128, block_k=64, stages=0, threads=128, min_block_n=64),
+    "ascend": Config(block_n=128, block_k=64, stages=0, threads=128),
+    "c": Config(block_n=16, block_k=32, stages=0, threads=1),
+})
 KERNEL = Kernel("grouped_gemm", body, configs={
     "default": Config(),
     "sm100": Config(block_n=128, block_k=64, stages=3, threads=128, min_block_n=64),
@@ -127,35 +181,55 @@ def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, 
     return dest, tiles
 
 
-def variant(n: int, k: int, experts: int, dtype: str) -> Variant:
+def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False) -> Variant:
     """The variant of one expert GEMM (n output features, k input features): gate_up is
     variant(2I, H, E, dtype), down is variant(H, I, E, dtype)."""
-    return Variant(n, k, experts, dtype, BLOCK_M)
+    return Variant(n, k, experts, dtype, BLOCK_M, fp4)
+
+
+def _describe(w) -> str:
+    return f"{w.format} {w.block[0]}x{w.block[1]}" if isinstance(w, BlockQuantized) else str(w.dtype)
+
+
+def _operands(w) -> tuple:
+    """A plain weight, or FP4 bytes and their ue8m0 exponent bytes (as uint8)."""
+    if not isinstance(w, BlockQuantized):
+        return (w.contiguous(),)
+    scales = w.scales
+    if scales.dtype != torch.uint8:  # fp32 / e8m0 scales -> exponent bytes
+        scales = (torch.log2(scales.float()).round() + 127).to(torch.uint8) if scales.dtype != \
+            getattr(torch, "float8_e8m0fnu", None) else scales.view(torch.uint8)
+    return w.values.contiguous(), scales.contiguous()
 
 
 def run(launch, x, weights, indices, gate_up, down, limit):
     """Meta-tensor safe: no host reads of tensor values (the layout's tile count is a static bound)."""
-    require(not isinstance(gate_up, BlockQuantized) and not isinstance(down, BlockQuantized), "moe_experts",
-            "block-quantized experts have no kernel yet: load them with quantization='none'")
     n_tok, hidden = x.shape
     experts, two_i, _ = gate_up.shape
     inter = two_i // 2
     require(gate_up.shape[2] == hidden and tuple(down.shape) == (experts, hidden, inter), "moe_experts",
             f"gate_up must be [E, 2I, {hidden}] and down [E, {hidden}, I]; got {list(gate_up.shape)}, {list(down.shape)}")
-    require(x.dtype == gate_up.dtype == down.dtype, "moe_experts", f"x, gate_up, down dtypes differ: "
-            f"{x.dtype}, {gate_up.dtype}, {down.dtype}")
+    fp4 = isinstance(gate_up, BlockQuantized)
+    if fp4 or isinstance(down, BlockQuantized):
+        for w in (gate_up, down):
+            require(isinstance(w, BlockQuantized) and w.format == "fp4" and w.block == FP4_BLOCK, "moe_experts",
+                    f"quantized experts must both be FP4 with 1x32 scales, got {_describe(w)}")
+    else:
+        require(x.dtype == gate_up.dtype == down.dtype, "moe_experts", f"x, gate_up, down dtypes differ: "
+                f"{x.dtype}, {gate_up.dtype}, {down.dtype}")
     dtype = dtypes.name(x.dtype)
-    up_v, down_v = variant(two_i, hidden, experts, dtype), variant(hidden, inter, experts, dtype)
+    up_v, down_v = variant(two_i, hidden, experts, dtype, fp4), variant(hidden, inter, experts, dtype, fp4)
+    kernel = "grouped_gemm_fp4" if fp4 else "grouped_gemm"
     dest, tiles = layout(indices, experts, up_v.block_m)
     total = tiles.numel() * up_v.block_m
     token_of = torch.arange(n_tok, device=x.device).repeat_interleave(indices.shape[1])
     rows = torch.empty(total, hidden, dtype=x.dtype, device=x.device)  # padding rows' results are never read
     rows[dest] = x[token_of]
     h = torch.empty(total, two_i, dtype=x.dtype, device=x.device)
-    launch("grouped_gemm", up_v)(rows, gate_up.contiguous(), tiles, h)
+    launch(kernel, up_v)(rows, *_operands(gate_up), tiles, h)
     a = swiglu.run(launch.op("swiglu"), h, limit)
     y = torch.empty(total, hidden, dtype=x.dtype, device=x.device)
-    launch("grouped_gemm", down_v)(a, down.contiguous(), tiles, y)
+    launch(kernel, down_v)(a, *_operands(down), tiles, y)
     out = torch.zeros(n_tok, hidden, dtype=torch.float32, device=x.device)
     out.index_add_(0, token_of, y[dest].float() * weights.reshape(-1, 1).float())
     return out.to(x.dtype)
@@ -177,12 +251,14 @@ def example(v: Variant, rows: int, device) -> tuple:
     weights = torch.softmax(torch.randn(rows, top_k, device=device), -1)
     gate_up = (torch.randn(v.experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
     down = (torch.randn(v.experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+    if v.fp4:  # the same weights rounded to FP4 with ue8m0 scales, as checkpoints store experts
+        gate_up, down = quantize(gate_up, "fp4"), quantize(down, "fp4")
     return (x, weights, indices, gate_up, down, 10.0)
 
 
 OP = OpDecl(
     "moe_experts", "grouped expert GEMMs (gate_up, clipped SwiGLU, down) with weighted combine", reference,
-    kernels=(KERNEL,),
+    kernels=(KERNEL, KERNEL_FP4),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 3e-2)},
     run=run, example=example, uses=("swiglu",),
 )
