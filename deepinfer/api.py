@@ -108,8 +108,9 @@ class LLM:
             from deepinfer.weights.loader import load_checkpoint
 
             bar = _progress_bar(show_progress, "loading weights", total=len(tensor_specs(cfg)))
-            ckpt = load_checkpoint(self.model_dir, cfg, torch_dtype, progress=None if bar is None else bar.update,
-                                   keep_quantized=self.keep_quantized)
+            # each tensor goes to the device as soon as it is read: the host holds one tensor at a time
+            ckpt = load_checkpoint(self.model_dir, cfg, torch_dtype, self.backend.device,
+                                   progress=None if bar is None else bar.update, keep_quantized=self.keep_quantized)
             if bar is not None:
                 bar.close()
             tensors = ckpt.tensors
