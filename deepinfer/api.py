@@ -24,7 +24,7 @@ from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
-from deepinfer.options import (cache_spec, check_cache_memory, check_options, fit_check, host_memory, model_len,
+from deepinfer.options import (cache_spec, check_options, fit_check, host_memory, model_len,
                                resolve_dtype, tiny_weight_bytes)
 from deepinfer.runtime.cache import CacheLayout
 from deepinfer.weights.loader import weight_bytes
@@ -84,19 +84,19 @@ class LLM:
         memory = self.backend.memory()
         where = "host memory available" if memory is None else "the device's free memory"
         available = host_memory() if memory is None else memory[0]
-        cache_need = 0
+        cache_need, cache_desc = 0, ""
         if num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
             probe = cache_spec(cfg, None, torch_dtype, max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization)
-            check_cache_memory(probe, cfg, torch_dtype, host_memory() if memory is None else memory[1],
-                               "host memory available" if memory is None else "device memory")
             cache_need = CacheLayout.build(cfg, probe, torch_dtype).nbytes
+            cache_desc = (f" (num_blocks={probe.num_blocks} blocks of {probe.block_tokens} positions, "
+                          f"max_num_seqs={probe.max_seqs} slots)")
         self.weight_bytes = (weight_bytes(self.model_dir, cfg, torch_dtype, self.keep_quantized)
                              if self.model_dir is not None else tiny_weight_bytes(cfg, torch_dtype))
         hints = ["lower --max-num-seqs, --max-model-len or --num-blocks"]
         if quantization == "none" and cfg.raw.get("quantization_config"):
             hints.insert(0, "keep the checkpoint's FP8/FP4 weights with --quantization auto")
         hints.append("a model larger than one device needs several (expert parallelism: not supported yet)")
-        fit_check(self.weight_bytes, cache_need, available, where, hints)
+        fit_check(self.weight_bytes, cache_need, available, where, hints, cache_desc)
         if self.backend.kernel_target is not None:
             check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
         if self.model_dir is None:

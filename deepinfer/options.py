@@ -61,18 +61,6 @@ def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
     return min(cfg.max_position_embeddings, max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 
-def check_cache_memory(spec: CacheSpec, cfg: ModelConfig, dtype: torch.dtype, available: int | None, where: str,
-                       names: tuple[str, str] = ("num_blocks", "max_num_seqs")) -> None:
-    """ConfigError when the cache of `spec` cannot fit in `available` bytes (of `where`), before allocating it."""
-    if available is None:
-        return
-    need = CacheLayout.build(cfg, spec, dtype).nbytes
-    if need > available:
-        raise ConfigError(f"the KV cache would take {need / 2**30:.1f} GiB ({names[0]}={spec.num_blocks} blocks of "
-                          f"{spec.block_tokens} positions, {names[1]}={spec.max_seqs} slots), more than the "
-                          f"{available / 2**30:.1f} GiB of {where}; lower {names[0]} or {names[1]}")
-
-
 def host_memory() -> int | None:
     """Bytes of host memory available now (Linux MemAvailable), or None when unknown."""
     try:
@@ -122,12 +110,15 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
 QUANTIZATIONS = ("auto", "none")
 
 
-def fit_check(weights: int, cache: int, available: int | None, where: str, hints: list[str]) -> None:
-    """ConfigError, before anything is allocated, when weights and cache cannot fit in `available` bytes."""
+def fit_check(weights: int, cache: int, available: int | None, where: str, hints: list[str],
+              cache_desc: str = "") -> None:
+    """ConfigError, before anything is allocated, when weights and cache cannot fit in `available` bytes;
+    `cache_desc` says what sized the cache."""
     if available is None or weights + cache <= available:
         return
     gib = 2**30
-    raise ConfigError(f"the model does not fit: weights {weights / gib:.1f} GiB + cache {cache / gib:.1f} GiB = "
+    raise ConfigError(f"the model does not fit: weights {weights / gib:.1f} GiB + cache {cache / gib:.1f} GiB"
+                      f"{cache_desc} = "
                       f"{(weights + cache) / gib:.1f} GiB, but {where} has {available / gib:.1f} GiB; "
                       + "; ".join(hints))
 

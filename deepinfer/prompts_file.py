@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.errors import ConfigError, RequestError
+from deepinfer.serving.recipe import check_text
 
 _ITEM_KEYS = ("prompt", "messages", "token_ids", "thinking", "so_args", "max_reasoning_tokens")
 _OVERRIDES = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -37,29 +38,12 @@ def read_lines(path: Path):
         if not isinstance(obj, dict):
             yield lineno, None, f"each line must be a JSON object, got {type(obj).__name__}"
             continue
-        bad = _lone_surrogate(obj)
-        if bad is not None:
-            yield lineno, None, f"a string holds a lone surrogate ({bad!r}), which is not valid Unicode text"
+        try:
+            check_text(obj)
+        except RequestError as exc:
+            yield lineno, None, str(exc)
             continue
         yield lineno, obj, None
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """The first string (or key) in a JSON value that cannot be UTF-8 encoded, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return value[exc.start : exc.end]
-        return None
-    if isinstance(value, dict):
-        value = [*value.keys(), *value.values()]
-    if isinstance(value, list):
-        for v in value:
-            bad = _lone_surrogate(v)
-            if bad is not None:
-                return bad
-    return None
 
 
 def plain_line(obj: dict[str, Any], thinking: bool) -> tuple[dict[str, Any], dict[str, Any]]:

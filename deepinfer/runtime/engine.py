@@ -178,4 +178,3 @@ class Engine:
             chunks=r.output.chunks,
             custom_id=r.custom_id,
         )
-

@@ -111,17 +111,18 @@ def request_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def draw_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): the key of one draw."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+def _mix(z: int) -> int:
+    """splitmix64's finaliser on a 64-bit word."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+    return z ^ (z >> 31)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): the key of one draw."""
+    return _mix((seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64) & ((1 << 63) - 1)
 
 
 def uniform(key: int) -> float:
     """A uniform in (0, 1) from the top 53 bits of splitmix64(key)."""
-    z = (key * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (((z ^ (z >> 31)) >> 11) + 0.5) / float(1 << 53)
+    return ((_mix((key * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64) >> 11) + 0.5) / float(1 << 53)

@@ -87,7 +87,7 @@ class Recipe:
         """Render and encode a chat (OpenAI-style message dicts, or one user message as a string)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        _check_text(messages)
+        check_text(messages)
         body = {
             "model": SERVED_MODEL_NAME,
             "messages": messages,
@@ -105,15 +105,16 @@ class Recipe:
 
     def encode_raw(self, text: str) -> EncodedPrompt:
         """Encode raw text with the full vocabulary (special-token spellings become special tokens)."""
-        _check_text(text)
+        check_text(text)
         return EncodedPrompt(list(self.tokenizer.encode(text)), None)
 
     def output(self, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str) -> OutputProcessor:
         return OutputProcessor(self, prompt, stop, request_id)
 
 
-def _check_text(value: Any) -> None:
-    """RequestError for a string (anywhere in `value`) that is not valid Unicode text (a lone surrogate)."""
+def check_text(value: Any) -> None:
+    """RequestError for a string anywhere in `value` (keys included) that is not valid Unicode text (a lone
+    surrogate: JSON can carry one, UTF-8 and the tokenizer cannot)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -121,11 +122,11 @@ def _check_text(value: Any) -> None:
             raise RequestError(f"the text holds a lone surrogate {value[exc.start:exc.end]!r} at character "
                                f"{exc.start}, which is not valid Unicode") from None
     elif isinstance(value, dict):
-        for v in value.values():
-            _check_text(v)
+        for v in (*value.keys(), *value.values()):
+            check_text(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _check_text(v)
+            check_text(v)
 
 
 def _error_message(body: str) -> str:
