@@ -5,15 +5,16 @@ object and its sampling overrides."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from deepinfer.errors import ConfigError, RequestError
+from deepinfer.runtime.sampling import SamplingParams
 from deepinfer.serving.recipe import check_text
 
 _ITEM_KEYS = ("prompt", "messages", "token_ids", "thinking", "so_args", "max_reasoning_tokens")
-_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "logit_bias", "seed", "stop", "ignore_eos")
+_OVERRIDES = tuple(f.name for f in fields(SamplingParams))  # a line may set any sampling parameter
 
 
 def read_lines(path: Path):
