@@ -4,7 +4,11 @@ weights, through the engine's kernels and decode graphs; in the same run, the sa
 transformers and under the project's own PyTorch reference path on the GPU.
 
     deepinfer compile --target sm90 --model benchmarks/configs/v4-flash-slice --jobs 16
-    python benchmarks/decode.py [--out results.json] [--commit SHA]
+    python benchmarks/decode.py [--out results.json] [--commit SHA] [--quantized]
+
+With `--quantized` the slice's weights are V4's native formats, quantized on the GPU as they are generated
+(FP8 projections with ue8m0 128x128 scales, FP4 experts): the engine runs its FP8 and FP4 kernels, and the
+floor counts the bytes those formats read.
 
 Decode contexts are synthetic: each sequence's cache is sized and its token count set to the context, so a
 step reads exactly what a step at that context reads (the values are zeros). The floor of a step is the bytes
@@ -28,14 +32,24 @@ sys.path.insert(0, str(ROOT))
 SLICE = ROOT / "benchmarks" / "configs" / "v4-flash-slice"
 
 
-def floor_bytes(cfg, specs, batch: int, context: int) -> int:
+def floor_bytes(cfg, specs, batch: int, context: int, quantization=None) -> int:
+    """Bytes a decode step must read; with a `quantization` config, FP8 projections at 1 byte per value and FP4
+    experts at 0.5 (plus their scales)."""
     from deepinfer.config import CSA, HCA, SLIDING
+    from deepinfer.weights.quant import checkpoint_format
 
-    dense = sum(torch.Size(s.shape).numel() * (4 if s.kind == "fp32" else 2) for name, s in specs.items()
+    def per_value(name: str, kind: str) -> float:
+        fmt = checkpoint_format(name, quantization)
+        if fmt is None:
+            return 4 if kind == "fp32" else 2
+        block = fmt[1]
+        return (0.5 if fmt[0] == "fp4" else 1.0) + (1 if fmt[2] else 4) / (block[0] * block[1])
+
+    dense = sum(torch.Size(s.shape).numel() * per_value(name, s.kind) for name, s in specs.items()
                 if ".experts." not in name and name != "embed_tokens.weight" and s.kind != "int")
     e, k, h, i = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     hit = e * (1 - (1 - k / e) ** batch)
-    experts = cfg.num_hidden_layers * hit * 3 * h * i * 2
+    experts = cfg.num_hidden_layers * hit * 3 * h * i * per_value("layers.0.mlp.experts.down_proj", "model")
     d, w = cfg.head_dim, cfg.sliding_window
     kv = 0
     for kind in cfg.layer_types:
@@ -48,6 +62,23 @@ def floor_bytes(cfg, specs, batch: int, context: int) -> int:
         assert kind in (SLIDING, CSA, HCA)
         kv += rows * d * 2
     return int(dense + experts + batch * (kv + h * 2))
+
+
+def nbytes(t) -> int:
+    from tilekernels.quant import BlockQuantized
+
+    return t.nbytes if isinstance(t, BlockQuantized) else t.numel() * t.element_size()
+
+
+def prebuild_quantized(cfg) -> None:
+    """Build the FP8 / FP4 kernels the quantized slice launches (the slice's compiled manifest has the bf16 ones)."""
+    import os
+
+    from deepinfer.compile.plan import kernel_plan
+    from deepinfer.compile.prebuild import build_kernels
+    from deepinfer.env import Env
+
+    build_kernels("sm90", kernel_plan(cfg, "bfloat16"), Env.read().cache_dir, jobs=min(16, os.cpu_count() or 1))
 
 
 def cuda_ms(fn, iters: int) -> float:
@@ -89,6 +120,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quantized", action="store_true", help="V4's FP8 / FP4 weight formats (see above)")
     args = parser.parse_args()
 
     from backends.nvidia.graphs import CudaGraphs
@@ -105,12 +137,21 @@ def main() -> None:
     cfg = ModelConfig.from_model_dir(SLICE)
     specs = tensor_specs(cfg)
     tensors = random_tensors(cfg, seed=0, dtype=dtype, device="cuda")
+    quantization = None
+    if args.quantized:
+        from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory
+
+        quantization = V4_QUANTIZATION
+        cfg = ModelConfig.from_dict({**cfg.raw, "quantization_config": quantization})
+        tensors = quantize_in_memory(tensors, quantization)
+        prebuild_quantized(cfg)
+        args.skip_hf = True  # HF and the reference path would dequantize: their figures are the bf16 run's
     weights = ModelWeights.from_tensors(cfg, tensors)
     model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir))
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()), "commit": args.commit,
-               "copy_gbs": bw, "weights_gb": sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9,
-               "decode": [], "prefill": []}
+               "copy_gbs": bw, "weights_gb": sum(nbytes(t) for t in tensors.values()) / 1e9,
+               "quantized": args.quantized, "decode": [], "prefill": []}
     print(f"# {results['device']} | {results['date']} | commit {args.commit} | copy {bw:.0f} GB/s | "
           f"slice weights {results['weights_gb']:.1f} GB", flush=True)
     print("| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
@@ -121,7 +162,7 @@ def main() -> None:
             ids, pos = list(range(100, 100 + batch)), [context] * batch
             with torch.inference_mode():
                 ms = cuda_ms(lambda: graphs.run(ids, pos, seqs), 10)
-            floor = floor_bytes(cfg, specs, batch, context) / (bw * 1e9) * 1e3
+            floor = floor_bytes(cfg, specs, batch, context, quantization) / (bw * 1e9) * 1e3
             row = dict(context=context, batch=batch, step_ms=ms, tok_s=batch / ms * 1e3, floor_ms=floor, ratio=ms / floor)
             results["decode"].append(row)
             print(f"| {context} | {batch} | {ms:.3f} | {row['tok_s']:.0f} | {floor:.3f} | {ms / floor:.2f}x |", flush=True)
@@ -150,6 +191,10 @@ def main() -> None:
         secs = time.perf_counter() - begin
         results["prefill"].append(dict(tokens=n, seconds=secs, tok_s=n / secs))
         print(f"prefill {n} tokens: {secs:.2f} s, {n / secs:.0f} tok/s (first run, kernels loaded)", flush=True)
+    if args.quantized:  # the reference path dequantizes per call: not a figure worth its minutes here
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return
     # the project's PyTorch reference path on the GPU, batch 1 at 4K (eager: its expert loop syncs)
     ref_model = DeepseekV4(cfg, weights, reference_table())
     cache, seqs = synthetic_cache(cfg, 1, 4096, dtype)

@@ -75,12 +75,9 @@ class LLM:
         self.max_model_len = model_len(cfg, max_model_len)
         # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
-        # quantized checkpoint tensors stay FP8 / FP4 where the backend's ops take them (the reference ops today;
-        # the TileLang kernels for them are not written yet, so kernel backends dequantize)
-        self.keep_quantized = quantization == "auto" and self.backend.kernel_target is None
-        if quantization == "auto" and not self.keep_quantized and cfg.raw.get("quantization_config"):
-            log.info("quantized checkpoint: dequantized to %s for %s (its FP8/FP4 kernels are not built yet)",
-                     torch_dtype, self.backend.name)
+        # quantized checkpoint tensors stay FP8 / FP4 on every backend with `auto` (the kernels read them as
+        # stored; the reference ops dequantize one tensor at a time); `none` dequantizes them at load
+        self.keep_quantized = quantization == "auto"
         memory = self.backend.memory()
         where = "host memory available" if memory is None else "the device's free memory"
         available = host_memory() if memory is None else memory[0]
@@ -119,7 +116,7 @@ class LLM:
                 log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(ckpt.mtp))
         if self.backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
             prebuild(self.backend.kernel_target, cfg, str(torch_dtype).removeprefix("torch."), env.cache_dir,
-                     show_progress)
+                     show_progress, quantized=self.keep_quantized)
         device = self.backend.device
         weights = ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()})
         self.model = DeepseekV4(cfg, weights, self.backend.ops)

@@ -90,9 +90,9 @@ def run() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="Compute dtype of the weights; auto = the target's default (float32 on the CPU, bfloat16 on GPUs/NPUs).")
 @click.option("--quantization", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
-              help="auto: FP8 / FP4 checkpoint tensors stay in their own precision where the backend's ops take "
-                   "them (the reference ops; kernel backends dequantize until their FP8/FP4 kernels exist); none: "
-                   "dequantized to --dtype at load.")
+              help="auto: FP8 / FP4 checkpoint tensors stay in their own precision on every backend (FP8 "
+                   "projections run W8A8, FP4 experts are converted inside the expert GEMM); none: dequantized to "
+                   "--dtype at load.")
 @click.option("--output", "output", default="-", show_default=True,
               help="Output file, or - for stdout. Each result is written and flushed as soon as it finishes.")
 @click.option("--format", "fmt", type=click.Choice(["text", "jsonl"]), default=None,

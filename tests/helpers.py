@@ -157,3 +157,26 @@ ODD_B: dict[str, Any] = dict(
     sliding_window=12, hc_mult=3, num_hash_layers=1, scoring_func="sigmoid", rope_scaling=YARN,
     routed_scaling_factor=2.5, max_position_embeddings=4096,
 )
+
+
+def w8a8_reference():
+    """The reference op table with the FP8 GEMMs' activation rounding emulated (`linear_fp8.emulated`, fp32
+    math otherwise): what the kernels compute on a checkpoint whose FP8 projections stay quantized."""
+    from tilekernels import reference_table
+    from tilekernels.op import OpTable
+    from tilekernels.ops import DECLARED, grouped_linear, linear, linear_fp8
+    from tilekernels.quant import BlockQuantized
+
+    table = reference_table()
+    impls = {name: getattr(table, name) for name in DECLARED}
+
+    def lin(x, w):
+        if not isinstance(w, BlockQuantized):
+            return linear.reference(x, w)
+        return linear_fp8.emulated(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
+
+    def grouped(x, w):
+        return linear_fp8.emulated(x, w, x.shape[1]) if isinstance(w, BlockQuantized) else grouped_linear.reference(x, w)
+
+    impls.update(linear=lin, grouped_linear=grouped)
+    return OpTable(impls, DECLARED)

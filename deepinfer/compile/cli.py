@@ -23,7 +23,10 @@ TARGETS = backends.COMPILE_TARGETS
 @click.option("--ops", default=None, help="Comma-separated op names to build (default: every op the model needs).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
               help="Activation dtype of the variants; auto = the target's default (float32 for c, bfloat16 otherwise).")
-def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype) -> None:
+@click.option("--quantization", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="auto: the FP8/FP4 kernels for a checkpoint whose config declares a quantization_config, as "
+                   "`run --quantization auto` loads it; none: the kernels of its dequantized weights.")
+def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization) -> None:
     """Lower and build the kernels a model needs for one target, into the artifact cache + manifest."""
     from deepinfer.env import Env
     from deepinfer.errors import DeepInferError
@@ -33,12 +36,13 @@ def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype) -> None:
     except backends.BackendError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from exc
     try:
-        _compile(target, model_dir, Path(out_dir) if out_dir else Env.read().cache_dir, jobs, ops, dtype)
+        _compile(target, model_dir, Path(out_dir) if out_dir else Env.read().cache_dir, jobs, ops, dtype,
+                 quantization == "auto")
     except DeepInferError as exc:
         raise click.ClickException(str(exc)) from exc
 
 
-def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
+def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized: bool = True) -> None:
     from deepinfer.config import ModelConfig
     from deepinfer.errors import ConfigError
     from deepinfer.compile.plan import kernel_plan
@@ -49,7 +53,7 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype) -> None:
     cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
     check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
-    items = kernel_plan(cfg, dtype)
+    items = kernel_plan(cfg, dtype, None if quantized else False)
     if ops:
         wanted = [o.strip() for o in ops.split(",") if o.strip()]
         known = sorted({op for op, _, _ in items})

@@ -23,16 +23,19 @@ def sample_rows() -> tuple[int, ...]:
     return tuple(sorted({1}.union(*(op.row_samples for op in DECLARED.values()))))
 
 
-def kernel_plan(cfg: ModelConfig, dtype: str = "bfloat16") -> list[Item]:
-    """Every (op, kernel, variant) the forward passes of `cfg` launch, without duplicates, in launch order."""
+def kernel_plan(cfg: ModelConfig, dtype: str = "bfloat16", quantized: bool | None = None) -> list[Item]:
+    """Every (op, kernel, variant) the forward passes of `cfg` launch, without duplicates, in launch order.
+    `quantized`: the checkpoint's FP8/FP4 tensors stay quantized (None: whenever the config declares a
+    `quantization_config`, as `--quantization auto` loads them)."""
     from tilekernels.kernels import Recorder
 
     recorder = Recorder()
-    trace(cfg, dtype, recorder, sample_rows())
+    trace(cfg, dtype, recorder, sample_rows(), quantized=quantized)
     return list(recorder.seen)
 
 
-def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context: int = 1024) -> None:
+def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context: int = 1024,
+          quantized: bool | None = None) -> None:
     """Run, on meta tensors, a prefill of n tokens and a decode step of n sequences (each `context` positions
     deep) for every n in `rows`, launching kernels through `launcher`."""
     from deepinfer.model.decode import DecodeInputs
@@ -42,7 +45,7 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported by the kernels; accepted: {', '.join(DTYPES)}")
-    model = DeepseekV4(cfg, meta_weights(cfg, DTYPES[dtype]), table(launcher))
+    model = DeepseekV4(cfg, meta_weights(cfg, DTYPES[dtype], quantized), table(launcher))
     for n in rows:
         per_seq = -(-max(n, context + 1) // 128)
         cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq),
@@ -60,10 +63,27 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
         model.decode(cache, step)
 
 
-def meta_weights(cfg: ModelConfig, dtype: torch.dtype):
-    """The model's weights as meta tensors of their real shapes and dtypes."""
+def meta_weights(cfg: ModelConfig, dtype: torch.dtype, quantized: bool | None = None):
+    """The model's weights as meta tensors of their real shapes and dtypes; with `quantized` (None: when the
+    config declares a `quantization_config`) the checkpoint's FP8/FP4 tensors as block-quantized meta weights."""
     from deepinfer.model.weights import FP32, INT, ModelWeights, tensor_specs
+    from deepinfer.weights.quant import checkpoint_format
+    from tilekernels.quant import BlockQuantized, grid
 
+    qc = cfg.raw.get("quantization_config")
+    if quantized is False:
+        qc = None
     kinds = {FP32: torch.float32, INT: torch.long}
-    return ModelWeights.from_tensors(cfg, {name: torch.empty(spec.shape, dtype=kinds.get(spec.kind, dtype), device=META)
-                                           for name, spec in tensor_specs(cfg).items()})
+    tensors = {}
+    for name, spec in tensor_specs(cfg).items():
+        fmt = checkpoint_format(name, qc)
+        if fmt is None:
+            tensors[name] = torch.empty(spec.shape, dtype=kinds.get(spec.kind, dtype), device=META)
+            continue
+        form, block, ue8m0 = fmt
+        *lead, rows, cols = spec.shape
+        values = (torch.empty(*lead, rows, cols, dtype=torch.float8_e4m3fn, device=META) if form == "fp8" else
+                  torch.empty(*lead, rows, cols // 2, dtype=torch.uint8, device=META))
+        scales = torch.empty(*lead, *grid(rows, cols, block), dtype=torch.uint8 if ue8m0 else torch.float32, device=META)
+        tensors[name] = BlockQuantized(values, scales, block, form)
+    return ModelWeights.from_tensors(cfg, tensors)

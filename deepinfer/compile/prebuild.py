@@ -17,7 +17,8 @@ from deepinfer.errors import ConfigError
 log = logging.getLogger("deepinfer")
 
 
-def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path) -> list[tuple]:
+def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path,
+                    quantized: bool | None = None) -> list[tuple]:
     """The (op, kernel, variant) items `cfg` needs that the target's manifest does not list."""
     from codegen.compiler import variant_dict
     from codegen.driver import read_manifest
@@ -27,7 +28,7 @@ def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path) 
         return op, kernel, json.dumps(variant, sort_keys=True)
 
     listed = {key(e["op"], e["kernel"], e["variant"]) for e in read_manifest(cache_dir / target).get("entries", [])}
-    return [it for it in kernel_plan(cfg, dtype) if key(it[0], it[1], variant_dict(it[2])) not in listed]
+    return [it for it in kernel_plan(cfg, dtype, quantized) if key(it[0], it[1], variant_dict(it[2])) not in listed]
 
 
 def build_kernels(target: str, items: list[tuple], cache_dir: Path, jobs: int | None = None,
@@ -49,9 +50,10 @@ def build_kernels(target: str, items: list[tuple], cache_dir: Path, jobs: int | 
             bar.close()
 
 
-def prebuild(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path, progress: bool) -> None:
+def prebuild(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path, progress: bool,
+             quantized: bool | None = None) -> None:
     """Build the kernels `cfg` needs for `target` that the manifest lacks; a failure names its log."""
-    items = missing_kernels(target, cfg, dtype, cache_dir)
+    items = missing_kernels(target, cfg, dtype, cache_dir, quantized)
     if not items:
         return
     log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "

@@ -9,12 +9,19 @@ Scales are `weight_scale_inv` multipliers: fp32, ue8m0 (`float8_e8m0fnu`), or ra
 
 from __future__ import annotations
 
+import re
+from typing import Any, Mapping
+
 import torch
 
 from deepinfer.errors import WeightsError
 from tilekernels.quant import FP4_BLOCK, BlockQuantized, grid
 
 FP8_BLOCK = (128, 128)
+# Which canonical tensors a V4 checkpoint stores quantized (the rest: bf16, norms/mHC fp32)
+FP8_WEIGHTS = re.compile(r"\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight$|"
+                         r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERTS = re.compile(r"^(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, getattr(torch, "float8_e8m0fnu", None))
@@ -67,3 +74,19 @@ def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torc
     for i in range(flat.shape[0]):
         flat[i] = BlockQuantized(values[i], scales[i], q.block, q.format).dequantize(dtype)
     return out
+
+
+def checkpoint_format(name: str, quantization_config: Mapping[str, Any] | None) -> tuple[str, tuple[int, int], bool] | None:
+    """(format, block, ue8m0 scales) of canonical tensor `name` in a checkpoint with this `quantization_config`
+    (None: not quantized): FP8 dense projections with the config's `weight_block_size`, FP4 routed experts when
+    `expert_dtype` is fp4 (FP8 with the dense block otherwise). What the compile plan traces without the files."""
+    if not quantization_config:
+        return None
+    block = tuple(quantization_config.get("weight_block_size") or FP8_BLOCK)
+    ue8m0 = quantization_config.get("scale_fmt") == "ue8m0"
+    if FP8_WEIGHTS.search(name):
+        return "fp8", block, ue8m0
+    if EXPERTS.match(name):
+        fp4 = quantization_config.get("expert_dtype", "fp4") == "fp4"
+        return ("fp4", FP4_BLOCK, True) if fp4 else ("fp8", block, ue8m0)
+    return None

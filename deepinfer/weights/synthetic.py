@@ -12,18 +12,15 @@ and for benchmarks (the V4-Flash slice).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from deepinfer.config import ModelConfig
+from deepinfer.weights.quant import EXPERTS, FP8_WEIGHTS
 from tilekernels.quant import BlockQuantized, quantize
 
-FP8_WEIGHTS = re.compile(r"\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight$|"
-                         r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
-EXPERTS = re.compile(r"^(layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _UPSTREAM = {"q_a_proj": "attn.wq_a", "q_b_proj": "attn.wq_b", "kv_proj": "attn.wkv", "o_a_proj": "attn.wo_a",
              "o_b_proj": "attn.wo_b", "gate_proj": "ffn.shared_experts.w1", "up_proj": "ffn.shared_experts.w3",
              "down_proj": "ffn.shared_experts.w2"}
@@ -115,4 +112,27 @@ def native_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16,
             out["fp32 / int"] += math.prod(spec.shape) * (4 if spec.kind == FP32 else 8)
         else:
             out[f"{str(dtype).removeprefix('torch.')}"] += math.prod(spec.shape) * size
+    return out
+
+
+V4_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+                   "expert_dtype": "fp4"}
+
+
+def quantize_in_memory(tensors: Mapping[str, torch.Tensor], quantization_config: Mapping[str, Any]) -> dict:
+    """Canonical-name tensors -> the same with the checkpoint's quantized ones as `BlockQuantized` (ue8m0 scales
+    as exponent bytes), exactly what the loader keeps with `--quantization auto`, made on the tensors' own
+    device (benchmarks generate the V4-Flash slice on the GPU this way). Each input tensor is replaced as soon
+    as its quantized form exists, so the peak is one tensor's worth of scratch."""
+    from deepinfer.weights.quant import checkpoint_format
+
+    out = dict(tensors)
+    for name in list(out):
+        fmt = checkpoint_format(name, quantization_config)
+        if fmt is None:
+            continue
+        form, block, ue8m0 = fmt
+        q = quantize(out.pop(name), form, block, pow2_scales=ue8m0)
+        scales = (torch.log2(q.scales) + 127).round().to(torch.uint8) if ue8m0 else q.scales
+        out[name] = BlockQuantized(q.values, scales, q.block, form)
     return out

@@ -63,11 +63,27 @@ def test_plan_equals_what_the_engine_launches_for_the_tiny_model(monkeypatch):
     assert set(recorder.seen) == set(plan)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_plan_covers_the_v4_flash_config_at_any_batch(dtype):
-    cfg = ModelConfig.from_dict(json.loads(FLASH.read_text()))
+def flash_config(quantized: bool) -> ModelConfig:
+    from deepinfer.weights.synthetic import V4_QUANTIZATION
+
+    raw = json.loads(FLASH.read_text())
+    return ModelConfig.from_dict({**raw, "quantization_config": V4_QUANTIZATION} if quantized else raw)
+
+
+@pytest.mark.parametrize("dtype, quantized", [("bfloat16", False), ("float32", False), ("bfloat16", True)],
+                         ids=["bf16", "fp32", "fp8-fp4-checkpoint"])
+def test_plan_covers_the_v4_flash_config_at_any_batch(dtype, quantized):
+    cfg = flash_config(quantized)
     plan = set(kernel_plan(cfg, dtype))
     recorder = Recorder()
-    trace(cfg, dtype, recorder, (2, 3, 17, 64, 100, 300, 511, 700, 2048), context=5000)
+    trace(cfg, dtype, recorder, (2, 3, 17, 64, 65, 100, 300, 511, 700, 2048), context=5000)
     assert set(recorder.seen) == plan
-    assert {op for op, _, _ in plan} == {name for name, op in DECLARED.items() if op.kernels}
+    kernels = {(op, kernel) for op, kernel, _ in plan}
+    assert (("linear", "gemm_fp8") in kernels) == quantized and (("act_quant", "act_quant") in kernels) == quantized
+    assert (("moe_experts", "grouped_gemm_fp4") in kernels) == quantized
+
+
+def test_the_two_checkpoint_kinds_use_every_declared_kernel():
+    used = {(op, kernel) for q in (False, True) for op, kernel, _ in kernel_plan(flash_config(q), "bfloat16")}
+    assert used == {(name, k.name) for name, op in DECLARED.items() for k in op.kernels}
+    assert not any(k == "gemm_fp8" for _, k, _ in kernel_plan(flash_config(True), "bfloat16", quantized=False))

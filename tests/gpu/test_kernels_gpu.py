@@ -15,9 +15,11 @@ pytestmark = pytest.mark.gpu
 def flash_variants() -> dict:
     """op -> the variant its inputs are made for, at V4-Flash widths (hidden 4096, 64 heads of 512, 256
     experts top 6, hc 4, vocab 129280); the inputs come from each op's own `example`."""
-    from tilekernels.ops import hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu
+    from tilekernels.ops import (act_quant, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope,
+                                 sparse_attention, swiglu)
 
     return {
+        "act_quant": act_quant.Variant(4096, 128, "bfloat16", pow2=True),
         "rms_norm": rms_norm.Variant(4096, "bfloat16"),
         "rms_norm_unweighted": rms_norm.Variant(512, "bfloat16", weighted=False),
         "rope": rope.Variant(64, 512, 64, "bfloat16"),

@@ -9,7 +9,8 @@ import torch
 from codegen.driver import record_run
 from tilekernels import reference_table
 from tilekernels.kernels import kernel_table
-from tilekernels.ops import DECLARED, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu
+from tilekernels.ops import (DECLARED, act_quant, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope,
+                             sparse_attention, swiglu)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,9 @@ F = "float32"
 # case -> (op, variant, rows): the inputs are the op's own `example(variant, rows, "cpu")`. "-odd" cases use
 # widths no thread count divides (the GPU bodies pad and mask them), "-ragged" ones widths the target's
 # chunks do not divide (the last chunk is partial: c target chunks are 64 wide, swiglu blocks 512).
-CASES = {
+CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py: they compare to an emulation
+    "act_quant": ("act_quant", act_quant.Variant(256, 128, F), 7),
+    "act_quant-ue8m0-ragged": ("act_quant", act_quant.Variant(100, 32, F, pow2=True), 5),
     "rms_norm": ("rms_norm", rms_norm.Variant(64, F), 5),
     "rms_norm-odd": ("rms_norm", rms_norm.Variant(20, F), 3),
     "rms_norm_unweighted": ("rms_norm_unweighted", rms_norm.Variant(32, F, weighted=False), 5),

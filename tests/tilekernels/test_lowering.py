@@ -12,7 +12,8 @@ import torch
 import backends
 from codegen import Compiler
 from tilekernels.kernels import request
-from tilekernels.ops import DECLARED, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu
+from tilekernels.ops import (DECLARED, act_quant, hc_post, hc_pre, linear, linear_fp8, moe_experts, moe_gate, rms_norm,
+                             rope, sparse_attention, swiglu)
 
 # One bf16 variant per kernel, at V4-Flash widths.
 CASES = {
@@ -20,6 +21,8 @@ CASES = {
     ("swiglu", "swiglu"): swiglu.Variant(2048, "bfloat16"),
     ("rope", "rope"): rope.Variant(64, 512, 64, "bfloat16"),
     ("linear", "gemm"): linear.Variant(1024, 4096, "bfloat16"),
+    ("linear", "gemm_fp8"): linear_fp8.Variant(1024, 4096, "bfloat16", (128, 128), groups=8, ue8m0=True),
+    ("act_quant", "act_quant"): act_quant.Variant(4096, 128, "bfloat16", pow2=True),
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
     ("moe_experts", "grouped_gemm_fp4"): moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True),
@@ -73,6 +76,8 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
         assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin for {case}"
         if case == ("linear", "gemm") and variant == CASES[case]:  # the GEMM uses each architecture's tensor-core instructions
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
+        if case == ("linear", "gemm_fp8") and name == "sm90":  # Hopper's FP8 wgmma, fed by TMA
+            assert "wgmma_ss<tl::DataType::kFloat8_e4m3" in source and "tma_load" in source
 
 
 @pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])

@@ -106,3 +106,25 @@ def test_bad_quantized_tensors_are_named(tmp_path, name, edit, message, quantiza
     bad = _edit(src, tmp_path / "bad", edit)
     with pytest.raises(WeightsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         deepinfer.LLM(bad, quantization=quantization, max_num_seqs=2)
+
+
+def test_quantizing_in_memory_gives_what_the_loader_keeps(tmp_path):
+    """The benchmarks' on-device generator (`quantize_in_memory`) and a checkpoint written then loaded with
+    `keep_quantized` give the same values and scales (the decode benchmark's quantized slice is what a real
+    checkpoint would load)."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.weights.loader import load_checkpoint
+    from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory
+
+    cfg = tiny_config()
+    tensors = random_tensors(cfg, seed=4)
+    path = write_checkpoint(tmp_path / "q", cfg.raw, tensors, "upstream", block=(128, 128))
+    loaded = load_checkpoint(path, ModelConfig.from_model_dir(path), torch.float32, keep_quantized=True).tensors
+    made = quantize_in_memory(tensors, V4_QUANTIZATION)
+    quantized = [name for name, t in made.items() if isinstance(t, BlockQuantized)]
+    assert quantized and {n for n, t in loaded.items() if isinstance(t, BlockQuantized)} == set(quantized)
+    for name in quantized:
+        a, b = made[name], loaded[name]
+        assert a.format == b.format and a.block == b.block
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+        assert torch.equal(a.scales.view(torch.uint8), b.scales.contiguous().view(torch.uint8))

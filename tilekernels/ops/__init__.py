@@ -3,6 +3,7 @@
 import importlib
 
 OP_MODULES = (
+    "act_quant",
     "compress_pool",
     "embedding",
     "grouped_linear",

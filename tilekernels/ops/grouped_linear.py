@@ -5,7 +5,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import OpDecl, require
-from tilekernels.ops import linear
+from tilekernels.ops import linear, linear_fp8
 from tilekernels.quant import BlockQuantized, dense
 
 
@@ -16,10 +16,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch.T
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
-def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    require(not isinstance(weight, BlockQuantized), "grouped_linear",
-            "block-quantized weights have no kernel yet: load them with quantization='none'")
+def run(launch, x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
     n, groups, din = x.shape
+    if isinstance(weight, BlockQuantized):  # FP8 checkpoint weight: the W8A8 GEMM with a group grid axis
+        require(weight.shape[1] == din and weight.shape[0] % groups == 0, "grouped_linear",
+                f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")
+        if groups == 1:
+            return linear_fp8.gemm(launch.op("linear"), x.reshape(n, din), weight).view(n, 1, -1)
+        return linear_fp8.gemm(launch.op("linear"), x.contiguous(), weight, groups)
     require(weight.shape[1] == din and weight.shape[0] % groups == 0, "grouped_linear",
             f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")
     require(x.dtype == weight.dtype, "grouped_linear", f"x is {x.dtype} but weight is {weight.dtype}")
@@ -30,13 +34,15 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear.gemm(launch.op("linear"), x.contiguous(), weight.contiguous().view(groups, dout, din), v)
 
 
-def example(v: linear.Variant, rows: int, device) -> tuple:
-    """Reference args for a grouped `linear` variant: x [rows, g, k], weight [g * n, k]."""
+def example(v: linear.Variant | linear_fp8.Variant, rows: int, device) -> tuple:
+    """Reference args for a grouped `linear` variant: x [rows, g, k], weight [g * n, k] (FP8 for an FP8 variant)."""
     dtype = dtypes.torch_dtype(v.dtype)
     x = torch.randn(rows, v.groups, v.k, device=device).to(dtype)
+    if isinstance(v, linear_fp8.Variant):
+        return (x, linear_fp8.example_weight(v, v.groups * v.n, device))
     return (x, (torch.randn(v.groups * v.n, v.k, device=device) / v.k**0.5).to(dtype))
 
 
 OP = OpDecl("grouped_linear", "block-diagonal per-group projection", reference,
-            tolerance=linear.OP.tolerance, run=run, example=example, uses=("linear",),
+            tolerance=linear.OP.tolerance, run=run, example=example, uses=("linear", "act_quant"),
             row_samples=linear.OP.row_samples)

@@ -18,6 +18,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.ops import linear_fp8
 from tilekernels.quant import BlockQuantized, dense
 
 
@@ -155,9 +156,10 @@ def gemm(launch, a: torch.Tensor, weight: torch.Tensor, v: Variant) -> torch.Ten
     return partial.sum(0).to(a.dtype)
 
 
-def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    require(not isinstance(weight, BlockQuantized), "linear",
-            "block-quantized weights have no kernel yet: load them with quantization='none'")
+def run(launch, x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
+    if isinstance(weight, BlockQuantized):  # FP8 checkpoint weight: W8A8 block-scaled GEMM
+        y = linear_fp8.gemm(launch, x.reshape(-1, x.shape[-1]), weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
     require(x.shape[-1] == weight.shape[1], "linear", f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
     require(x.dtype == weight.dtype, "linear", f"x is {x.dtype} but weight is {weight.dtype}")
     n, k = weight.shape
@@ -166,18 +168,20 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-def example(v: Variant, rows: int, device) -> tuple:
-    """Reference args of `linear` for a one-group variant: x [rows, k], weight [n, k] scaled to unit outputs.
-    Grouped variants are exercised through `grouped_linear.example`."""
+def example(v: Variant | linear_fp8.Variant, rows: int, device) -> tuple:
+    """Reference args of `linear` for a one-group variant: x [rows, k], weight [n, k] scaled to unit outputs
+    (FP8 with the variant's block for an FP8 variant). Grouped variants run through `grouped_linear.example`."""
     if v.groups != 1:
         raise ValueError(f"linear: a variant with groups={v.groups} runs through grouped_linear; use its example")
     dtype = dtypes.torch_dtype(v.dtype)
+    if isinstance(v, linear_fp8.Variant):
+        return (torch.randn(rows, v.k, device=device).to(dtype), linear_fp8.example_weight(v, v.n, device))
     return (torch.randn(rows, v.k, device=device).to(dtype), (torch.randn(v.n, v.k, device=device) / v.k**0.5).to(dtype))
 
 
 OP = OpDecl(
     "linear", "dense projection y = x @ W^T", reference,
-    kernels=(KERNEL,),
+    kernels=(KERNEL, linear_fp8.KERNEL),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
-    run=run, example=example, row_samples=(ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
+    run=run, example=example, uses=("act_quant",), row_samples=(ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
 )

@@ -4,7 +4,9 @@ scaled by its routing weight (applied after the down projection), into the token
 Kernel path: the (token, slot) rows are sorted by expert into an expert-major layout where each expert's rows
 start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
-back per token.
+back per token. FP4 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles, and on sm_90a the
+swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's registers); elsewhere, and for
+larger batches, the portable body below.
 
 Any N and K: tiles keep their configured sizes and are launched ceil-div; the weight is a 3-D (E, N, K) tensor
 and the rows (MT*BM, K) / outputs (MT*BM, N) are 2-D, so every ragged edge is a tensor edge that TileLang
@@ -16,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, require
-from tilekernels.ops import linear, swiglu
+from tilekernels.op import Kernel, OpDecl, Override, require
+from tilekernels.ops import linear, moe_fp4, swiglu
 from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, quantize
 
 
@@ -55,7 +57,7 @@ class Variant:
     k: int  # input features
     experts: int
     dtype: str
-    block_m: int = 64  # rows per M tile; every expert's rows start on a tile boundary
+    block_m: int = 64  # rows per M tile; every expert's rows start on a tile boundary (DECODE_BLOCK_M: decode)
     fp4: bool = False  # weights FP4 e2m1 packed two per byte with one ue8m0 exponent byte per 1x32 block
 
 
@@ -144,8 +146,14 @@ def body_fp4(P, v: Variant, cfg: Config):
 
 
 _CPU = Config(block_n=16, block_k=16, stages=0, threads=1)
-KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, configs={
+# Decode variants (block_m 16, bf16) on sm_90a: the swapped-operand kernel of moe_fp4 (its tile is moe_fp4.TUNE; the
+# pass configs below are its, harmless for the portable body, which has no pipelined loop).
+KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, overrides=(
+    Override("sm90", lambda v: v.block_m <= DECODE_BLOCK_M and v.dtype == "bfloat16",
+             lambda P, v, cfg: moe_fp4.body_decode(P, v, cfg)),
+), configs={
     "default": Config(block_n=128, block_k=64, stages=0, threads=128),
+    "sm90": Config(block_n=128, block_k=64, stages=0, threads=128, pass_configs=moe_fp4.TUNE.pass_configs),
     "sm100": Config(block_n=128, block_k=64, stages=0, threads=128, min_block_n=64),
     "ascend": Config(block_n=128, block_k=64, stages=0, threads=128),
     "c": Config(block_n=16, block_k=32, stages=0, threads=1),
@@ -157,6 +165,8 @@ KERNEL = Kernel("grouped_gemm", body, configs={
     "c": _CPU,
 })
 BLOCK_M = 64
+DECODE_BLOCK_M = 16  # FP4 experts at decode: rows per tile (wgmma N on sm_90a; the portable body's MMA M)
+DECODE_TOKENS = 64  # up to this many tokens the FP4 experts run their decode variants
 
 
 def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,17 +184,19 @@ def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, 
     rank[order] = torch.arange(order.numel(), device=order.device)
     first = torch.cumsum(counts, 0) - counts  # sorted position of each expert's first row
     dest = starts[flat] + rank - first[flat]
-    n_tiles = -(-(flat.numel() + experts * (bm - 1)) // bm)
+    n_tiles = -(-(flat.numel() + min(flat.numel(), experts) * (bm - 1)) // bm)
     tile_start = torch.arange(n_tiles, device=flat.device) * bm
     expert = torch.searchsorted(ends, tile_start, right=True)
     tiles = torch.where(expert < experts, expert, torch.full_like(expert, -1)).to(torch.int32)
     return dest, tiles
 
 
-def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False) -> Variant:
+def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False, tokens: int | None = None) -> Variant:
     """The variant of one expert GEMM (n output features, k input features): gate_up is
-    variant(2I, H, E, dtype), down is variant(H, I, E, dtype)."""
-    return Variant(n, k, experts, dtype, BLOCK_M, fp4)
+    variant(2I, H, E, dtype), down is variant(H, I, E, dtype). FP4 weights at up to DECODE_TOKENS tokens get
+    the decode tile (a few rows per expert: DECODE_BLOCK_M-row tiles)."""
+    decode = fp4 and tokens is not None and tokens <= DECODE_TOKENS
+    return Variant(n, k, experts, dtype, DECODE_BLOCK_M if decode else BLOCK_M, fp4)
 
 
 def _describe(w) -> str:
@@ -218,7 +230,8 @@ def run(launch, x, weights, indices, gate_up, down, limit):
         require(x.dtype == gate_up.dtype == down.dtype, "moe_experts", f"x, gate_up, down dtypes differ: "
                 f"{x.dtype}, {gate_up.dtype}, {down.dtype}")
     dtype = dtypes.name(x.dtype)
-    up_v, down_v = variant(two_i, hidden, experts, dtype, fp4), variant(hidden, inter, experts, dtype, fp4)
+    up_v = variant(two_i, hidden, experts, dtype, fp4, n_tok)
+    down_v = variant(hidden, inter, experts, dtype, fp4, n_tok)
     kernel = "grouped_gemm_fp4" if fp4 else "grouped_gemm"
     dest, tiles = layout(indices, experts, up_v.block_m)
     total = tiles.numel() * up_v.block_m
@@ -260,5 +273,5 @@ OP = OpDecl(
     "moe_experts", "grouped expert GEMMs (gate_up, clipped SwiGLU, down) with weighted combine", reference,
     kernels=(KERNEL, KERNEL_FP4),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 3e-2)},
-    run=run, example=example, uses=("swiglu",),
+    run=run, example=example, uses=("swiglu",), row_samples=(DECODE_TOKENS + 1,),
 )

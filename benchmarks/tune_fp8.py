@@ -1,0 +1,109 @@
+"""Tile configs of the sm90 FP8 block-scaled GEMM at V4-Flash shapes, against cuBLAS bf16 and torch's own FP8
+scaled matmul (where this torch offers block scales on the GPU), on the H200:
+
+    python benchmarks/tune_fp8.py [--rows 4096] [--json OUT.json]
+
+Prints TFLOP/s per (shape, config); the best goes into `tilekernels/ops/linear_fp8.py`'s sm90 config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = [(128, 128, 4, 128), (128, 128, 3, 128), (128, 128, 4, 256), (128, 128, 3, 256), (64, 128, 4, 128),
+           (128, 64, 4, 128)]
+SHAPES = [("q_b", 32768, 1024, 1), ("q_a", 1024, 4096, 1), ("o_b", 4096, 8192, 1), ("shared gate_up", 4096, 4096, 1),
+          ("shared down", 4096, 2048, 1), ("o_a (8 groups)", 1024, 4096, 8)]
+
+
+def torch_blockwise(a8, sa, w8, sw, out_dtype=torch.bfloat16):
+    """torch's FP8 scaled matmul with 1x128 activation and 128x128 weight scales, if this build has it (the scale
+    layouts it wants are tried in turn): (fn, how), or (None, why not)."""
+    try:
+        from torch.nn.functional import ScalingType, SwizzleType, scaled_mm  # torch >= 2.9
+    except ImportError as exc:
+        return None, f"not offered: {exc}"
+    errors = []
+    for a_scale in (sa, sa.t().contiguous().t()):
+        for b_scale in (sw, sw.t(), sw.t().contiguous(), sw.contiguous().t()):
+            def fn(a_scale=a_scale, b_scale=b_scale):
+                return scaled_mm(a8, w8.t(), a_scale, ScalingType.BlockWise1x128, b_scale, ScalingType.BlockWise128x128,
+                                 swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
+                                 output_dtype=out_dtype)
+            try:
+                fn()
+                return fn, (f"torch.nn.functional.scaled_mm BlockWise1x128 x BlockWise128x128 (scale strides "
+                            f"{tuple(a_scale.stride())}, {tuple(b_scale.stride())})")
+            except Exception as exc:  # noqa: BLE001 - report whatever this build says
+                errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    return None, "not offered: " + " | ".join(sorted(set(errors)))[:600]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import backends
+    from backends import tl
+    from benchmarks.kernels import time_fn
+    from tilekernels.lang import Facade
+    from tilekernels.ops import act_quant, linear_fp8
+    from tilekernels.quant import quantize
+
+    tilelang = tl.tilelang()
+    target = backends.get("sm90")
+    m = args.rows
+    results = []
+    for name, n, k, groups in SHAPES:
+        x = torch.randn(m, groups, k, device="cuda", dtype=torch.bfloat16).squeeze(1)
+        w = quantize(torch.randn(groups * n, k, device="cuda") / k**0.5, "fp8", (128, 128))
+        a8, sa = act_quant.reference(x.reshape(-1, k), 128, False)
+        a2 = a8.view(torch.uint8).view(m, groups * k)
+        sa2 = sa.view(m, -1).contiguous()
+        flops = 2 * m * n * k * groups
+        wb = torch.randn(groups, n, k, device="cuda", dtype=torch.bfloat16)
+        xb = x.view(m, groups, k).transpose(0, 1)
+        ms, _ = time_fn(lambda: torch.bmm(xb, wb.transpose(1, 2)) if groups > 1 else torch.nn.functional.linear(x, wb[0]))
+        row = {"shape": name, "n": n, "k": k, "groups": groups, "rows": m, "cublas_bf16_tflops": flops / ms / 1e9}
+        print(f"{name} {groups}x{n}x{k} rows {m}: cuBLAS bf16 {row['cublas_bf16_tflops']:.0f} TFLOP/s", flush=True)
+        if groups == 1:
+            fn, how = torch_blockwise(a8, sa, w.values, w.scales)
+            row["torch_fp8"] = how
+            if fn is not None:
+                ms, _ = time_fn(fn)
+                row["torch_fp8_tflops"] = flops / ms / 1e9
+            print(f"  torch FP8: {how} {row.get('torch_fp8_tflops', 0):.0f} TFLOP/s", flush=True)
+        want = linear_fp8.emulated(x.view(m, groups, k) if groups > 1 else x, w, groups).float()
+        row["configs"] = []
+        for bm, bn, stages, threads in CONFIGS:
+            cfg = linear_fp8.Config(block_m=bm, block_n=bn, stages=stages, threads=threads)
+            v = linear_fp8.Variant(n, k, "bfloat16", (128, 128), groups)
+            label = f"{bm}x{bn} s{stages} t{threads}"
+            try:
+                func = linear_fp8.body_sm90(Facade(target.traits), v, cfg)
+                kern = tilelang.compile(func, target=target.tvm_target, execution_backend="tvm_ffi")
+                c = torch.empty(m, groups * n, device="cuda", dtype=torch.bfloat16)
+                call = lambda: kern(a2, sa2, w.values.view(torch.uint8), w.scales, c)  # noqa: E731
+                ms, _ = time_fn(call)
+                err = (c.float().view_as(want) - want).abs().max().item() / want.abs().max().item()
+                row["configs"].append({"config": label, "tflops": flops / ms / 1e9, "rel_err": err})
+                print(f"  {label}: {flops / ms / 1e9:.0f} TFLOP/s ({flops / ms / 1e9 / row['cublas_bf16_tflops']:.2f}x"
+                      f" cuBLAS bf16), rel err {err:.1e}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit
+                row["configs"].append({"config": label, "failed": str(exc).splitlines()[-1][:200]})
+                print(f"  {label}: failed: {str(exc).splitlines()[-1][:160]}", flush=True)
+        results.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
