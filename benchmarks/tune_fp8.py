@@ -88,7 +88,7 @@ def main() -> None:
             v = linear_fp8.Variant(n, k, "bfloat16", (128, 128), groups)
             label = f"{bm}x{bn} s{stages} t{threads}"
             try:
-                func = linear_fp8.body_sm90(Facade(target.traits), v, cfg)
+                func = linear_fp8.body_native(Facade(target.traits), v, cfg)
                 kern = tilelang.compile(func, target=target.tvm_target, execution_backend="tvm_ffi")
                 c = torch.empty(m, groups * n, device="cuda", dtype=torch.bfloat16)
                 call = lambda: kern(a2, sa2, w.values.view(torch.uint8), w.scales, c)  # noqa: E731

@@ -165,9 +165,10 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
-def body_sm90(P, v: Variant, cfg: Config):
-    """Hopper: the byte tensors viewed as e4m3, TMA-fed shared tiles, FP8 wgmma into a fresh fragment per scale
-    block, promoted into the fp32 sum with the row and column scales staged per K step."""
+def body_native(P, v: Variant, cfg: Config):
+    """NVIDIA targets with FP8 tensor cores: the byte tensors viewed as e4m3, TMA-fed shared tiles, the FP8 MMA
+    (wgmma on sm90; tcgen05 into tensor memory on sm100, read back to registers) into a fresh accumulator per
+    scale block, promoted into the fp32 sum with the row and column scales."""
     T = P.T
     BM, BN, NT, BK, KT, KB, out_dtype, threads = _geometry(v, cfg)
     G, SK, K, N = v.groups, v.split_k, v.k, v.n
@@ -175,6 +176,7 @@ def body_sm90(P, v: Variant, cfg: Config):
     a_shape, sa_shape, w_shape, sw_shape, c_shape = _signature(T, v, M)
     e4m3 = "float8_e4m3fn"
     one_scale = v.block[0] % BN == 0 and (v.groups == 1 or N % v.block[0] == 0)  # tiles never straddle scale rows
+    in_registers = P.traits.acc != "tmem" or BM not in (64, 128)  # where P.alloc_acc puts the accumulator
 
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, "uint8"), SA: T.Tensor(sa_shape, "float32"), W: T.Tensor(w_shape, "uint8"),
@@ -189,7 +191,8 @@ def body_sm90(P, v: Variant, cfg: Config):
             # producer stages ahead of the MMA that reads it (measured on the H200: wrong sums, no error)
             sa_s = T.alloc_fragment((BM,), "float32")
             sw_s = T.alloc_fragment((BN,), "float32")
-            acc = T.alloc_fragment((BM, BN), "float32")
+            acc = P.alloc_acc((BM, BN), "float32")  # fragment (sm90) or tensor memory (sm100)
+            part = acc if in_registers else T.alloc_fragment((BM, BN), "float32")
             total = T.alloc_fragment((BM, BN), "float32")
             ks, g, m0, n0 = _tile(pid, v, NT, BM, BN)
             T.clear(total)
@@ -205,13 +208,15 @@ def body_sm90(P, v: Variant, cfg: Config):
                         sa_s[i] = SA[T.min(m0 + i, M - 1), g * KB + kb]
                     for j in T.Parallel(BN):
                         sw_s[j] = _weight_scale(T, v, SW, g, n0 + j, kb)
-                T.gemm(a_s, b_s, acc, transpose_B=True, clear_accum=True)
+                P.gemm(a_s, b_s, acc, clear_accum=True)
+                if not in_registers:
+                    T.copy(acc, part)
                 if one_scale:
                     for i, j in T.Parallel(BM, BN):
-                        total[i, j] += acc[i, j] * sa_s[i]
+                        total[i, j] += part[i, j] * sa_s[i]
                 else:
                     for i, j in T.Parallel(BM, BN):
-                        total[i, j] += acc[i, j] * sa_s[i] * sw_s[j]
+                        total[i, j] += part[i, j] * sa_s[i] * sw_s[j]
             if SK > 1:
                 T.copy(total, C[ks, m0, g * N + n0])
             else:
@@ -226,7 +231,7 @@ KERNEL = Kernel("gemm_fp8", body, configs={
     "sm100": Config(block_m=128, block_n=128, stages=0, threads=128, min_block_n=64, narrow_block_n=64),
     "ascend": Config(block_m=64, block_n=256, stages=0, threads=128, narrow_block_n=256),  # see docs/kernels.md
     "c": Config(block_m=16, block_n=16, stages=0, threads=1, narrow_threads=1, narrow_block_n=16),
-}, overrides=(Override("sm90", lambda v: True, body_sm90),))
+}, overrides=(Override("sm90", lambda v: True, body_native), Override("sm100", lambda v: True, body_native)))
 
 
 def variant(rows: int, n: int, k: int, block: tuple[int, int], ue8m0: bool, groups: int = 1,
