@@ -180,6 +180,10 @@ MAX_POSITIONS = 1 << 24  # no V4 config comes near; keeps cache arithmetic in ra
 
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "deepseek_v41":
+        raise ConfigError(f"{source}: model_type 'deepseek_v41' (DeepSeek-V4.1): its config is read "
+                          "(deepinfer.config_v41) but the V4.1 model does not run yet; deepinfer runs DeepSeek-V4 "
+                          "checkpoints (model_type 'deepseek_v4')")
     if model_type != "deepseek_v4":
         raise ConfigError(
             f"{source}: model_type is {model_type!r}; deepinfer serves DeepSeek-V4 models, "
