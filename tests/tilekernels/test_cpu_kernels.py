@@ -14,8 +14,8 @@ from tilekernels.ops import (DECLARED, act_quant, hc_post, hc_pre, linear, moe_e
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cpu-kernels")
+def cache(c_kernel_cache):
+    return c_kernel_cache
 
 
 @pytest.fixture(scope="module")
