@@ -92,11 +92,22 @@ def cases(t: int) -> dict:
     out["grouped_linear[o_a 8x1024x4096]"] = ("grouped_linear", ex("grouped_linear", linear.Variant(1024, H, "bfloat16",
                                                                                                     groups=8)),
                                                2 * (t * 8 * H + 8 * 1024 * H + t * 8 * 1024), 2 * t * 8 * 1024 * H)
-    args = ex("moe_experts", moe_experts.Variant(2 * I, H, E, "bfloat16"))
-    top_k = args[2].shape[1]
-    hit = int(args[2].unique().numel())
-    out[f"moe_experts[256 x (4096x4096 + 4096x2048), top {top_k}]"] = (
-        "moe_experts", args, hit * (2 * I * H + H * I) * 2 + 4 * t * H, 2 * t * top_k * 3 * I * H)
+    # the same projections with the checkpoint's FP8 weights (128x128 ue8m0 scales; activations quantized per
+    # 1x128 inside the op): bytes are the FP8 codes and scales read, plus the bf16 activations in and out
+    from tilekernels.ops import linear_fp8
+
+    for label, (n, k) in {"q_a_proj 1024x4096": (1024, H), "q_b_proj 32768x1024": (NH * D, 1024),
+                          "o_b_proj 4096x8192": (H, 8192)}.items():
+        v = linear_fp8.Variant(n, k, "bfloat16", (128, 128), ue8m0=True)
+        out[f"linear[{label}, FP8]"] = ("linear", ex("linear", v), n * k + n * k // 16384 + 2 * (t * k + t * n),
+                                         2 * t * n * k)
+    for fp4 in (False, True):
+        args = ex("moe_experts", moe_experts.Variant(2 * I, H, E, "bfloat16", fp4=fp4))
+        top_k = args[2].shape[1]
+        hit = int(args[2].unique().numel())
+        per_value = (0.5 + 1 / 32) if fp4 else 2  # FP4 e2m1 + one ue8m0 byte per 32, or bf16
+        out[f"moe_experts[256 x (4096x4096 + 4096x2048), top {top_k}{', FP4' if fp4 else ''}]"] = (
+            "moe_experts", args, int(hit * 3 * I * H * per_value) + 4 * t * H, 2 * t * top_k * 3 * I * H)
     return out
 
 
