@@ -31,6 +31,19 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
+def is_exponent_bytes(scale: torch.Tensor) -> bool:
+    """Whether a scale tensor holds ue8m0 exponents (uint8 bytes or `float8_e8m0fnu`)."""
+    return scale.dtype == torch.uint8 or scale.dtype == getattr(torch, "float8_e8m0fnu", None)
+
+
+def exponent_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales as uint8 exponent bytes, the form the kernels read: a view of exponent bytes, or power-of-two
+    fp32 scales converted (2^e -> e + 127)."""
+    if is_exponent_bytes(scale):
+        return scale.view(torch.uint8)
+    return (torch.log2(scale.float()).round() + 127).to(torch.uint8)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] bytes holding two e2m1 values each (low nibble first) -> fp32 [..., K]."""
     lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)

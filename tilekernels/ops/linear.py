@@ -136,11 +136,18 @@ def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16")
     if rows > ROW_BUCKETS[1]:
         return Variant(n, k, dtype, groups)
     narrow = rows <= ROW_BUCKETS[0]
+    return Variant(n, k, dtype, groups, split_factor(narrow, n, k, groups, k // 64 if k % 64 == 0 else 1), narrow)
+
+
+def split_factor(narrow: bool, n: int, k: int, groups: int, k_tiles: int) -> int:
+    """K splits (a power of two) of a decode- or medium-sized GEMM: doubled while fewer than TARGET_PROGRAMS
+    programs run, each slice stays >= 256 deep and `k_tiles` (the K tiles a slice must hold whole) divides.
+    Shared by the bf16 and the FP8 GEMM."""
     programs = (1 if narrow else 2) * max(1, n // (64 if narrow else 128)) * groups
     split = 1
-    while programs * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 256 and k % (split * 2 * 64) == 0:
+    while programs * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 256 and k_tiles % (split * 2) == 0:
         split *= 2
-    return Variant(n, k, dtype, groups, split, narrow)
+    return split
 
 
 def gemm(launch, a: torch.Tensor, weight: torch.Tensor, v: Variant) -> torch.Tensor:

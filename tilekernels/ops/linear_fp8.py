@@ -19,7 +19,7 @@ import torch
 
 from tilekernels import dtypes, fp8
 from tilekernels.op import Kernel, Override, require
-from tilekernels.quant import BlockQuantized
+from tilekernels.quant import BlockQuantized, exponent_bytes, is_exponent_bytes
 
 SCALE_BLOCKS = (32, 64, 128)  # K-block depths a kernel tile takes (one scale block per K tile)
 
@@ -239,24 +239,19 @@ def variant(rows: int, n: int, k: int, block: tuple[int, int], ue8m0: bool, grou
     """The FP8 GEMM variant of a call, by the same row buckets as the bf16 GEMM (`linear.variant`): decode
     rows take narrow tiles, and both small buckets split K (whole scale blocks, each slice >= 256 deep) until
     about TARGET_PROGRAMS programs stream the weight."""
-    from tilekernels.ops.linear import ROW_BUCKETS, TARGET_PROGRAMS
+    from tilekernels.ops.linear import ROW_BUCKETS, split_factor
 
     if rows > ROW_BUCKETS[1]:
         return Variant(n, k, dtype, tuple(block), groups, ue8m0=ue8m0)
     narrow = rows <= ROW_BUCKETS[0]
-    blocks = -(-k // block[1])
-    programs = (1 if narrow else 2) * max(1, n // (64 if narrow else 128)) * groups
-    split = 1
-    while programs * split * 2 <= TARGET_PROGRAMS and k // (split * 2) >= 256 and blocks % (split * 2) == 0:
-        split *= 2
-    return Variant(n, k, dtype, tuple(block), groups, split, narrow, ue8m0)
+    return Variant(n, k, dtype, tuple(block), groups, split_factor(narrow, n, k, groups, -(-k // block[1])), narrow,
+                   ue8m0)
 
 
 def weight_operands(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(e4m3 bytes, scales as the kernel reads them, ue8m0): exponent bytes stay bytes, others become fp32."""
-    scales = weight.scales
-    ue8m0 = scales.dtype == torch.uint8 or scales.dtype == getattr(torch, "float8_e8m0fnu", None)
-    scales = scales.view(torch.uint8) if ue8m0 else scales.float()
+    ue8m0 = is_exponent_bytes(weight.scales)
+    scales = exponent_bytes(weight.scales) if ue8m0 else weight.scales.float()
     return weight.values.view(torch.uint8), scales.contiguous(), ue8m0
 
 
@@ -309,5 +304,5 @@ def example_weight(v: Variant, rows_out: int, device) -> BlockQuantized:
 
     q = quantize(torch.randn(rows_out, v.k, device=device) / v.k**0.5, "fp8", v.block, pow2_scales=v.ue8m0)
     if v.ue8m0:
-        q = BlockQuantized(q.values, (torch.log2(q.scales) + 127).round().to(torch.uint8), q.block, "fp8")
+        q = BlockQuantized(q.values, exponent_bytes(q.scales), q.block, "fp8")
     return q

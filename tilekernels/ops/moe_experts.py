@@ -20,7 +20,7 @@ import torch
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
 from tilekernels.ops import linear, moe_fp4, swiglu
-from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, quantize
+from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, exponent_bytes, quantize
 
 
 def reference(
@@ -207,10 +207,7 @@ def _operands(w) -> tuple:
     """A plain weight, or FP4 bytes and their ue8m0 exponent bytes (as uint8)."""
     if not isinstance(w, BlockQuantized):
         return (w.contiguous(),)
-    scales = w.scales
-    if scales.dtype != torch.uint8:  # fp32 / e8m0 scales -> exponent bytes
-        scales = (torch.log2(scales.float()).round() + 127).to(torch.uint8) if scales.dtype != \
-            getattr(torch, "float8_e8m0fnu", None) else scales.view(torch.uint8)
+    scales = exponent_bytes(w.scales)  # fp32 power-of-two scales are converted per call: checkpoints store bytes
     return w.values.contiguous(), scales.contiguous()
 
 
