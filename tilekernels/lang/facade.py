@@ -87,12 +87,15 @@ class Facade:
             return self.T.alloc_local(shape, dtype)
         return self.T.alloc_fragment(shape, dtype)
 
-    def gemm(self, a, b, acc, clear_accum):
-        """acc (+)= a @ b^T; b is (N, K). A TMEM accumulator gets its mbarrier (tcgen05 on sm_100a)."""
+    def gemm(self, a, b, acc, clear_accum, full_rows: bool = False):
+        """acc (+)= a @ b^T; b is (N, K). A TMEM accumulator gets its mbarrier (tcgen05 on sm_100a). `full_rows`:
+        the warps split the tile by rows only, each MMA as wide as the tile (on sm90 a warpgroup's wgmma then
+        reads less shared memory per flop than the default square split)."""
         barrier = self._barriers.get(id(acc))
+        policy = self.T.GemmWarpPolicy.FullRow if full_rows else self.T.GemmWarpPolicy.Square
         if barrier is not None:
-            return self.T.gemm(a, b, acc, transpose_B=True, clear_accum=clear_accum, mbar=barrier)
-        return self.T.gemm(a, b, acc, transpose_B=True, clear_accum=clear_accum)
+            return self.T.gemm(a, b, acc, transpose_B=True, clear_accum=clear_accum, mbar=barrier, policy=policy)
+        return self.T.gemm(a, b, acc, transpose_B=True, clear_accum=clear_accum, policy=policy)
 
     @staticmethod
     def padded(width: int, threads: int) -> int:

@@ -45,6 +45,7 @@ class Config:
     narrow_threads: int = 128  # 64-row tiles: one warpgroup
     narrow_block_n: int = 64
     min_block_n: int = 16
+    full_rows: bool = False  # NVIDIA: warpgroups split the tile by rows (each wgmma block_n wide)
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -91,12 +92,20 @@ def _scale_dtype(v: Variant) -> str:
     return "uint8" if v.ue8m0 else "float32"
 
 
-def _weight_scale(T, v: Variant, SW, g, n, kb):
-    """The fp32 scale of group g's weight row n in K block kb (rows past the weight read its last block row;
+def _weight_scale_raw(T, v: Variant, SW, g, n, kb):
+    """The stored scale of group g's weight row n in K block kb (rows past the weight read its last block row;
     a scale block may span two groups' rows, as a checkpoint's [G*N, K] grid lays them out)."""
     nb = -(-(v.groups * v.n) // v.block[0])
-    raw = SW[T.min((g * v.n + n) // v.block[0], nb - 1), kb]
+    return SW[T.min((g * v.n + n) // v.block[0], nb - 1), kb]
+
+
+def _scale_value(T, v: Variant, raw):
+    """A stored weight scale as fp32 (ue8m0: the exponent byte's power of two)."""
     return fp8.pow2(T, T.cast(raw, "int32") - 127) if v.ue8m0 else raw
+
+
+def _weight_scale(T, v: Variant, SW, g, n, kb):
+    return _scale_value(T, v, _weight_scale_raw(T, v, SW, g, n, kb))
 
 
 def _tile(t, v: Variant, NT: int, BM: int, BN: int):
@@ -177,6 +186,7 @@ def body_native(P, v: Variant, cfg: Config):
     e4m3 = "float8_e4m3fn"
     one_scale = v.block[0] % BN == 0 and (v.groups == 1 or N % v.block[0] == 0)  # tiles never straddle scale rows
     in_registers = P.traits.acc != "tmem" or BM not in (64, 128)  # where P.alloc_acc puts the accumulator
+    sdt = _scale_dtype(v)
 
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, "uint8"), SA: T.Tensor(sa_shape, "float32"), W: T.Tensor(w_shape, "uint8"),
@@ -190,7 +200,8 @@ def body_native(P, v: Variant, cfg: Config):
             # the scales live in the consumer threads' registers: a shared staging of them is written by the
             # producer stages ahead of the MMA that reads it (measured on the H200: wrong sums, no error)
             sa_s = T.alloc_fragment((BM,), "float32")
-            sw_s = T.alloc_fragment((BN,), "float32")
+            sw_s = T.alloc_fragment((BN,), sdt)  # stored weight scales per column
+            ws = T.alloc_local((1,), sdt)  # ... or the tile's one
             acc = P.alloc_acc((BM, BN), "float32")  # fragment (sm90) or tensor memory (sm100)
             part = acc if in_registers else T.alloc_fragment((BM, BN), "float32")
             total = T.alloc_fragment((BM, BN), "float32")
@@ -200,23 +211,24 @@ def body_native(P, v: Variant, cfg: Config):
                 kb = ks * KT + kk
                 T.copy(Af[m0, g * K + kb * BK], a_s)
                 T.copy(Wf[g * N + n0, kb * BK], b_s)
-                if one_scale:  # the tile's rows share one weight scale: fold it into the row scales
-                    for i in T.Parallel(BM):
-                        sa_s[i] = SA[T.min(m0 + i, M - 1), g * KB + kb] * _weight_scale(T, v, SW, g, n0, kb)
+                # the scales are loaded ahead of the MMA and used after it, their latency hidden behind it (their
+                # products formed before the MMA measured 3-12 % slower on the H200: benchmarks/tune_fp8.py)
+                for i in T.Parallel(BM):
+                    sa_s[i] = SA[T.min(m0 + i, M - 1), g * KB + kb]
+                if one_scale:
+                    ws[0] = _weight_scale_raw(T, v, SW, g, n0, kb)
                 else:
-                    for i in T.Parallel(BM):
-                        sa_s[i] = SA[T.min(m0 + i, M - 1), g * KB + kb]
                     for j in T.Parallel(BN):
-                        sw_s[j] = _weight_scale(T, v, SW, g, n0 + j, kb)
-                P.gemm(a_s, b_s, acc, clear_accum=True)
+                        sw_s[j] = _weight_scale_raw(T, v, SW, g, n0 + j, kb)
+                P.gemm(a_s, b_s, acc, clear_accum=True, full_rows=cfg.full_rows)
                 if not in_registers:
                     T.copy(acc, part)
                 if one_scale:
                     for i, j in T.Parallel(BM, BN):
-                        total[i, j] += part[i, j] * sa_s[i]
+                        total[i, j] += part[i, j] * (sa_s[i] * _scale_value(T, v, ws[0]))
                 else:
                     for i, j in T.Parallel(BM, BN):
-                        total[i, j] += part[i, j] * sa_s[i] * sw_s[j]
+                        total[i, j] += part[i, j] * sa_s[i] * _scale_value(T, v, sw_s[j])
             if SK > 1:
                 T.copy(total, C[ks, m0, g * N + n0])
             else:
@@ -227,7 +239,7 @@ def body_native(P, v: Variant, cfg: Config):
 
 KERNEL = Kernel("gemm_fp8", body, configs={
     "default": Config(),
-    "sm90": Config(block_m=128, block_n=128, stages=4, threads=256),  # benchmarks/tune_fp8.py
+    "sm90": Config(block_m=128, block_n=128, stages=4, threads=256, full_rows=True),  # benchmarks/tune_fp8.py
     "sm100": Config(block_m=128, block_n=128, stages=0, threads=128, min_block_n=64, narrow_block_n=64),
     "ascend": Config(block_m=64, block_n=256, stages=0, threads=128, narrow_block_n=256),  # see docs/kernels.md
     "c": Config(block_m=16, block_n=16, stages=0, threads=1, narrow_threads=1, narrow_block_n=16),
