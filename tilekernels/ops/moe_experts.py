@@ -4,9 +4,9 @@ scaled by its routing weight (applied after the down projection), into the token
 Kernel path: the (token, slot) rows are sorted by expert into an expert-major layout where each expert's rows
 start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
-back per token. FP4 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles, and on sm_90a the
-swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's registers); elsewhere, and for
-larger batches, the portable body below.
+back per token. FP4 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles. On sm_90a every
+FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
+registers; 64-row tiles at prefill sizes); elsewhere the portable body below.
 
 Any N and K: tiles keep their configured sizes and are launched ceil-div; the weight is a 3-D (E, N, K) tensor
 and the rows (MT*BM, K) / outputs (MT*BM, N) are 2-D, so every ragged edge is a tensor edge that TileLang
@@ -149,8 +149,7 @@ _CPU = Config(block_n=16, block_k=16, stages=0, threads=1)
 # Decode variants (block_m 16, bf16) on sm_90a: the swapped-operand kernel of moe_fp4 (its tile is moe_fp4.TUNE; the
 # pass configs below are its, harmless for the portable body, which has no pipelined loop).
 KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, overrides=(
-    Override("sm90", lambda v: v.block_m <= DECODE_BLOCK_M and v.dtype == "bfloat16",
-             lambda P, v, cfg: moe_fp4.body_decode(P, v, cfg)),
+    Override("sm90", lambda v: v.dtype == "bfloat16", lambda P, v, cfg: moe_fp4.body_decode(P, v, cfg)),
 ), configs={
     "default": Config(block_n=128, block_k=64, stages=0, threads=128),
     "sm90": Config(block_n=128, block_k=64, stages=0, threads=128, pass_configs=moe_fp4.TUNE.pass_configs),
