@@ -20,7 +20,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.errors import WeightsError
 from deepinfer.model.weights import FP32, INT, MODEL, TensorSpec, tensor_specs
 from deepinfer.weights.names import Target, classify
-from deepinfer.weights.quant import FP8_BLOCK, as_quantized, dequantize, is_quantized
+from deepinfer.weights.quant import FP8_BLOCK, as_quantized, dequantize, for_kernels, is_quantized
 from tilekernels.quant import BlockQuantized
 
 log = logging.getLogger("deepinfer.weights")
@@ -226,7 +226,7 @@ def _one(name, sources, read, dtype, block, ckpt, keep=False) -> torch.Tensor | 
     if scales:
         ckpt.quantized += 1
         if keep:
-            return as_quantized(f"{name} ({values[0]})", tensor, read(scales[0]), block)
+            return for_kernels(values[0], as_quantized(f"{name} ({values[0]})", tensor, read(scales[0]), block))
         return dequantize(f"{name} ({values[0]})", tensor, read(scales[0]), dtype, block)
     if is_quantized(tensor) and dtype != torch.int64:
         raise WeightsError(f"tensor {name} ({values[0]}) is quantized ({tensor.dtype}) but has no scale tensor")
@@ -277,7 +277,7 @@ def _stack_quantized(name, parts, read, block, ckpt, expect) -> BlockQuantized |
     format or block, or gate and up cannot be joined on a block boundary (then they are dequantized)."""
     kept = {}
     for (expert, part), keys in sorted(parts.items()):
-        q = as_quantized(keys["value"], read(keys["value"]), read(keys["scale"]), block)
+        q = for_kernels(keys["value"], as_quantized(keys["value"], read(keys["value"]), read(keys["scale"]), block))
         if tuple(q.shape) != expect[part]:
             raise WeightsError(f"tensor {keys['value']} has shape {list(q.shape)}, but expert {part} weights of this "
                                f"config are {list(expect[part])}")

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from deepinfer.errors import WeightsError
-from tilekernels.quant import FP4_BLOCK, BlockQuantized, grid
+from tilekernels.quant import FP4_BLOCK, BlockQuantized, exponent_bytes, grid, is_exponent_bytes
 
 FP8_BLOCK = (128, 128)
 # Which canonical tensors a V4 checkpoint stores quantized (the rest: bf16, norms/mHC fp32)
@@ -58,6 +58,18 @@ def as_quantized(name: str, weight: torch.Tensor, scale: torch.Tensor,
     if scale.dtype in (torch.bfloat16, torch.float16):
         scale = scale.to(torch.float32)
     return BlockQuantized(values, scale, block, fmt)
+
+
+def for_kernels(name: str, q: BlockQuantized) -> BlockQuantized:
+    """A quantized tensor kept for the kernels: FP4 scales as the exponent bytes the FP4 kernels read (fp32 ones
+    converted once, at load, not per call); those must be powers of two."""
+    if q.format != "fp4" or is_exponent_bytes(q.scales):
+        return q
+    mantissa, _ = torch.frexp(q.scales)
+    if not bool(((mantissa == 0.5) & (q.scales > 0)).all()):
+        raise WeightsError(f"tensor {name}: FP4 scales must be powers of two (ue8m0), as DeepSeek's checkpoints "
+                           f"store them; this one has others (load it with --quantization none to dequantize it)")
+    return BlockQuantized(q.values, exponent_bytes(q.scales), q.block, q.format)
 
 
 def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,

@@ -83,15 +83,21 @@ def test_run_picks_the_decode_tile_up_to_64_tokens():
     assert moe_experts.DECODE_TOKENS + 1 in DECLARED["moe_experts"].row_samples
 
 
-def test_the_decode_override_is_sm90_only():
+def test_the_swapped_operand_override_is_sm90_bf16_only():
+    """sm90 runs `moe_fp4`'s kernel for its bf16 variants, decode (16-row tiles) and prefill (64-row tiles, with
+    their own tile tune); other targets and fp32 keep the portable body."""
+    from tilekernels.ops import moe_fp4
+
     kernel = DECLARED["moe_experts"].kernel("grouped_gemm_fp4")
     decode = moe_experts.variant(4096, 4096, 256, "bfloat16", fp4=True, tokens=1)
     prefill = moe_experts.variant(4096, 4096, 256, "bfloat16", fp4=True, tokens=512)
-    assert kernel.body_for("sm90", decode) is not kernel.body
-    for target in ("sm100", "ascend", "c"):
-        assert kernel.body_for(target, decode) is kernel.body
-    assert kernel.body_for("sm90", prefill) is kernel.body
+    for v in (decode, prefill):
+        assert kernel.body_for("sm90", v) is not kernel.body
+        for target in ("sm100", "ascend", "c"):
+            assert kernel.body_for(target, v) is kernel.body
     assert kernel.body_for("sm90", moe_experts.variant(64, 64, 4, "float32", fp4=True, tokens=1)) is kernel.body
+    assert moe_fp4.tune_for(decode.block_m) == moe_fp4.TUNE
+    assert moe_fp4.tune_for(prefill.block_m) == moe_fp4.PREFILL_TUNE != moe_fp4.TUNE
 
 
 @pytest.fixture(scope="module")

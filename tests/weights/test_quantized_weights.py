@@ -128,3 +128,33 @@ def test_quantizing_in_memory_gives_what_the_loader_keeps(tmp_path):
         assert a.format == b.format and a.block == b.block
         assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
         assert torch.equal(a.scales.view(torch.uint8), b.scales.contiguous().view(torch.uint8))
+
+
+def test_fp32_fp4_scales_become_exponent_bytes_at_load(tmp_path):
+    """FP4 experts whose checkpoint scales are fp32 powers of two are kept with the exponent bytes the FP4
+    kernels read (converted once at load, same logits); other fp32 scales cannot be kept as FP4: named, and
+    `--quantization none` still dequantizes them."""
+    from tilekernels.quant import is_exponent_bytes
+
+    cfg = tiny_config()
+    src = write_checkpoint(tmp_path / "src", cfg.raw, random_tensors(cfg, seed=3), "hf", block=(32, 32))
+    scale_keys = [k for k in load_file(str(src / "model.safetensors")) if ".experts." in k and "scale" in k]
+    assert scale_keys
+
+    def as_fp32(tensors, factor=1.0):
+        for k in scale_keys:
+            s = tensors[k]
+            s = s.view(torch.uint8) if s.dtype != torch.float32 else s
+            tensors[k] = ((s.float() - 127).exp2() if s.dtype == torch.uint8 else s) * factor
+        return tensors
+
+    fp32 = _edit(src, tmp_path / "fp32", as_fp32)
+    kept = deepinfer.LLM(fp32, quantization="auto", max_num_seqs=2)
+    assert is_exponent_bytes(kept.model.weights.layers[0].moe.gate_up.scales)
+    ids = list(range(5, 30))
+    want = deepinfer.LLM(src, quantization="auto", max_num_seqs=2).generate([{"token_ids": ids}], GREEDY, use_tqdm=False)
+    assert kept.generate([{"token_ids": ids}], GREEDY, use_tqdm=False)[0].token_ids == want[0].token_ids
+    odd = _edit(src, tmp_path / "odd", lambda t: as_fp32(t, 1.5))
+    with pytest.raises(WeightsError, match="FP4 scales must be powers of two"):
+        deepinfer.LLM(odd, quantization="auto", max_num_seqs=2)
+    deepinfer.LLM(odd, quantization="none", max_num_seqs=2)

@@ -206,7 +206,7 @@ def _operands(w) -> tuple:
     """A plain weight, or FP4 bytes and their ue8m0 exponent bytes (as uint8)."""
     if not isinstance(w, BlockQuantized):
         return (w.contiguous(),)
-    scales = exponent_bytes(w.scales)  # fp32 power-of-two scales are converted per call: checkpoints store bytes
+    scales = exponent_bytes(w.scales)  # a view: loading converts fp32 power-of-two scales to bytes once
     return w.values.contiguous(), scales.contiguous()
 
 
@@ -260,8 +260,9 @@ def example(v: Variant, rows: int, device) -> tuple:
     weights = torch.softmax(torch.randn(rows, top_k, device=device), -1)
     gate_up = (torch.randn(v.experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
     down = (torch.randn(v.experts, hidden, inter, device=device) / inter**0.5).to(dtype)
-    if v.fp4:  # the same weights rounded to FP4 with ue8m0 scales, as checkpoints store experts
-        gate_up, down = quantize(gate_up, "fp4"), quantize(down, "fp4")
+    if v.fp4:  # the same weights rounded to FP4 with ue8m0 scales (exponent bytes), as checkpoints store experts
+        gate_up, down = (BlockQuantized(q.values, exponent_bytes(q.scales), q.block, q.format)
+                         for q in (quantize(gate_up, "fp4"), quantize(down, "fp4")))
     return (x, weights, indices, gate_up, down, 10.0)
 
 
