@@ -61,10 +61,16 @@ def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Ten
 
 def finish(ctx: AttentionContext, w: Attention, out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Undo the value half's rotation, then the grouped output projection: [N, heads, D] -> [N, H]."""
-    cfg, ops, n = ctx.cfg, ctx.ops, out.shape[0]
-    out = ops.rope(out, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inverse=True)
-    grouped = ops.grouped_linear(out.view(n, cfg.o_groups, cfg.group_in_dim), w.o_a_proj)
-    return ops.linear(grouped.reshape(n, -1), w.o_b_proj)
+    return output_projection(ctx.ops, out, pos, ctx.rope, ctx.cfg.o_groups, w.o_a_proj, w.o_b_proj)
+
+
+def output_projection(ops: OpTable, out: torch.Tensor, pos: torch.Tensor, rope: RopeTables, groups: int, o_a,
+                      o_b) -> torch.Tensor:
+    """V4 and V4.1: inverse RoPE at the query positions, then `o_a` per head group and `o_b`: [N, heads, D] -> [N, H]."""
+    n = out.shape[0]
+    out = ops.rope(out, pos, rope.inv_freq, rope.attention_factor, inverse=True)
+    grouped = ops.grouped_linear(out.reshape(n, groups, -1), o_a)
+    return ops.linear(grouped.reshape(n, -1), o_b)
 
 
 def prefill_core(ctx: AttentionContext, w: Attention, p: Projected, pos: torch.Tensor,

@@ -99,9 +99,18 @@ class EngramHasher:
 
 def build(layer_ids: Sequence[int], max_ngram: int, n_heads: int, vocab_size: int, pad_id: int,
           tokenizer: Any) -> EngramHasher:
+    """The hasher of a model whose class map comes from `tokenizer` (a `tokenizers.Tokenizer`)."""
+    classes, _ = token_classes(tokenizer)
+    return from_classes(layer_ids, max_ngram, n_heads, vocab_size, pad_id, classes)
+
+
+def from_classes(layer_ids: Sequence[int], max_ngram: int, n_heads: int, vocab_size: int, pad_id: int,
+                 classes: Sequence[int] | torch.Tensor) -> EngramHasher:
+    """The hasher from an already built class map (every token id's class, classes numbered 0..n-1)."""
     import numpy as np
 
-    classes, n_classes = token_classes(tokenizer)
+    classes = [int(c) for c in classes]
+    n_classes = max(classes) + 1
     handed: set[int] = set()
     primes = []
     for _ in layer_ids:

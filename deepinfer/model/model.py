@@ -17,6 +17,7 @@ from deepinfer.config import HASH_MOE, SLIDING, ModelConfig
 from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
 from deepinfer.model.compressor import RopeTables
 from deepinfer.model.decode import DecodeInputs, decode_core
+from deepinfer.model.moe import moe
 from deepinfer.model.rope import inv_freq
 from deepinfer.model.weights import MoE, ModelWeights
 from tilekernels import OpTable
@@ -93,18 +94,7 @@ class DeepseekV4:
         return ops.linear(h, w.lm_head).float()
 
     def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        cfg, ops = self.cfg, self.ops
-        logits = ops.linear(x, w.gate)
-        is_hash = cfg.mlp_layer_types[layer] == HASH_MOE
-        weights, indices = ops.moe_gate(
-            logits,
-            cfg.num_experts_per_tok,
-            cfg.scoring_func,
-            cfg.routed_scaling_factor,
-            bias=None if is_hash else w.bias,
-            hash_ids=input_ids if is_hash else None,
-            tid2eid=w.tid2eid if is_hash else None,
-        )
-        routed = ops.moe_experts(x, weights, indices, w.gate_up, w.down, cfg.swiglu_limit)
-        shared = ops.linear(ops.swiglu(ops.linear(x, w.shared_gate_up), cfg.swiglu_limit), w.shared_down)
-        return routed + shared
+        cfg = self.cfg
+        hashed = cfg.mlp_layer_types[layer] == HASH_MOE
+        return moe(self.ops, w, x, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
+                   cfg.swiglu_limit, input_ids if hashed else None)

@@ -4,10 +4,16 @@ import importlib
 
 OP_MODULES = (
     "act_quant",
+    "candidate_blocks",
     "compress_pool",
     "embedding",
+    "engram_gate",
+    "engram_lookup",
+    "fp4_act_qdq",
     "grouped_linear",
+    "hc_collapse",
     "hc_head",
+    "hc_mixes",
     "hc_post",
     "hc_pre",
     "indexer_scores",

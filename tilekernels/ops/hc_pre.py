@@ -7,6 +7,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.ops import hc_collapse, hc_mixes
 
 
 def reference(
@@ -19,23 +20,10 @@ def reference(
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H], fn [(2+N)N, N*H], base [(2+N)N], scale [3] ->
-    (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] in streams' dtype)."""
-    t, n, _ = streams.shape
-    flat = streams.flatten(1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = torch.nn.functional.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    s_pre, s_post, s_comb = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * s_post + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
+    (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] in streams' dtype): `hc_mixes`, then
+    `hc_collapse` with the pre mix just computed."""
+    pre, post, comb = hc_mixes.reference(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return post, comb, hc_collapse.reference(streams, pre)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,18 @@ are supplied through sys.modules:
   vision          -> stub ViT/Aligner that raise (vision_n_layers = 0 here, so never built)
 
 Usage:
-  python3.11 run_tiny.py                      # fp32 mode, prefill 40 + 16 decode, batch 2
+  python3.11 run_tiny.py                      # config a, fp32 mode, prefill 40 + 16 decode, batch 2
+  python3.11 run_tiny.py --config b           # the second tiny config (other wiring, hc_mult 2, odd prefill)
   python3.11 run_tiny.py --mode faithful      # checkpoint dtypes: fp8 dense, fp4 experts, bf16 acts
   python3.11 run_tiny.py --save out_dir       # also write weights (.safetensors), config, logits
+
+Weights are drawn on the bf16 grid (except the tensors the released checkpoint keeps in fp32: mHC, attention
+sinks, router biases) so that the saved checkpoint stores them as bf16, as the release does, losslessly;
+fp32 mode still computes in fp32. The test fixtures are made by tools/v41_reference/make_fixtures.sh.
 """
 
 import argparse
 import json
-import math
 import os
 import sys
 import types
@@ -24,6 +28,7 @@ from dataclasses import asdict
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+VOCAB = 256  # the tiny configs' vocabulary (and the stand-in tokenizer's size)
 UPSTREAM = os.path.join(HERE, "upstream", "inference")
 
 
@@ -98,8 +103,8 @@ class TinyTokenizer:
 
 
 # ----------------------------------------------------------------------------- config
-def tiny_args(model_mod, engram_mod, mode: str, tokenizer):
-    """8 backbone layers, one of each kind (layer id: kind / real-model analogue):
+def tiny_args(model_mod, engram_mod, mode: str, tokenizer, config: str = "a"):
+    """Config a: 8 backbone layers, one of each kind (layer id: kind / real-model analogue):
     0 window-only (0)            1 window-only + Engram (1)
     2 ratio-2 kv+index source + Engram (2/8/14; 14 also has Engram)
     3 ratio-2 reader (3-7)
@@ -107,14 +112,22 @@ def tiny_args(model_mod, engram_mod, mode: str, tokenizer):
     5 ratio-1 reader of 4's latents/top-k (21-23)
     6 ratio-1 extra index source, restricted to 4's candidate blocks (24/28/32/36)
     7 ratio-1 reader of 6's top-k (25-27, ...)
+    Config b: 8 layers wired differently, hc_mult 2, 3-gram Engram with 3 heads, window 6:
+    0 window-only + Engram       1 ratio-2 kv+index source     2 ratio-2 reader of 1
+    3 ratio-2 kv+index source (a second one)                   4 ratio-2 reader of 3 (not of 1)
+    5 ratio-1 kv+index source + candidate source               6 ratio-1 extra index source + Engram
+    7 ratio-1 reader of 5's latents and 6's top-k
+    Both keep index_topk <= (candidate_topk_blocks - 1) * candidate_block_size + 1 (NOTES.md 3d), and use 16
+    index heads: an index score is exactly 0 when every head's ReLU is (FP4-rounded q and k, few heads: often), and
+    which of several tied entries torch.topk keeps is implementation-defined; with 16 heads ties do not occur.
     Draft (DSpark) layers are skipped (dspark_block_size = 0)."""
     A = model_mod.ModelArgs
     kw = dict(
         max_batch_size=2, max_seq_len=64, temperature=0.0,
         dtype="fp8" if mode == "faithful" else "bf16",
         expert_dtype="fp4" if mode == "faithful" else None,
-        vocab_size=512, dim=64, moe_inter_dim=64, n_layers=8, n_mtp_layers=0, n_heads=4,
-        n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
+        vocab_size=VOCAB, dim=64, moe_inter_dim=32, n_layers=8, n_mtp_layers=0, n_heads=4,
+        n_routed_experts=6, n_shared_experts=1, n_activated_experts=2, score_func="sqrtsoftplus",
         norm_topk_prob=True, route_scale=1.5, swiglu_limit=10.0,
         q_lora_rank=32, head_dim=64, rope_head_dim=16, norm_eps=1e-20, o_groups=2, o_lora_rank=32,
         window_size=8,
@@ -122,13 +135,24 @@ def tiny_args(model_mod, engram_mod, mode: str, tokenizer):
         kv_source_layers=(2, 4), index_source_layers=(2, 4, 6),
         compress_rope_theta=160000.0, original_seq_len=16, rope_theta=10000.0, rope_factor=4,
         beta_fast=32, beta_slow=1,
-        index_n_heads=4, index_head_dim=32, index_topk=6,
+        index_n_heads=16, index_head_dim=32, index_topk=6,
         candidate_source_layer=4, candidate_topk_blocks=3, candidate_block_size=4,
         hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
         engram_layer_ids=(1, 2), engram_max_ngram_size=4, engram_vocab_size=50, engram_n_heads=2,
         engram_head_dim=32, engram_pad_id=2,
         vision_n_layers=0,
     )
+    if config == "b":
+        kw.update(
+            n_heads=2, n_routed_experts=4, n_activated_experts=2, window_size=6,
+            compress_ratios=(0, 2, 2, 2, 2, 1, 1, 1), kv_source_layers=(1, 3, 5),
+            index_source_layers=(1, 3, 5, 6), index_n_heads=16, index_topk=5,
+            candidate_source_layer=5, candidate_topk_blocks=2, candidate_block_size=4,
+            hc_mult=2, hc_sinkhorn_iters=10, original_seq_len=32, rope_factor=8, compress_rope_theta=40000.0,
+            engram_layer_ids=(0, 6), engram_max_ngram_size=3, engram_vocab_size=40, engram_n_heads=3,
+        )
+    elif config != "a":
+        raise SystemExit(f"unknown --config {config!r}; accepted: a, b")
     args = A(**kw)
     # table rows = sum of the layer's bucket primes (as in the released config)
     layout = engram_mod.EngramLayout.from_args(args)
@@ -136,92 +160,6 @@ def tiny_args(model_mod, engram_mod, mode: str, tokenizer):
     _, compressed = engram_mod.build_compressed_token_map(tokenizer)
     args.engram_compressed_vocab_size = compressed
     return args
-
-
-# ----------------------------------------------------------------------------- random weights
-def _fp8_blockwise(w: torch.Tensor, bs: int = 32):
-    """fp32 [out, in] -> (e4m3 [out, in], e8m0 [ceil(out/bs), ceil(in/bs)]), ue8m0 block scales."""
-    from cpu_kernels import fast_round_scale, to_e4m3
-
-    o, i = w.shape
-    po, pi = -o % bs, -i % bs
-    wp = torch.nn.functional.pad(w, (0, pi, 0, po))
-    blocks = wp.unflatten(0, (-1, bs)).unflatten(2, (-1, bs))  # [O, bs, I, bs]
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
-    s = fast_round_scale(amax, torch.tensor(1 / 448.0))
-    q = to_e4m3(blocks / s[:, None, :, None]).float().flatten(2).flatten(0, 1)[:o, :i]
-    return q.to(torch.float8_e4m3fn), s.to(torch.float8_e8m0fnu)
-
-
-def _fp4_rowwise(w: torch.Tensor):
-    """fp32 [out, in] -> (float4_e2m1fn_x2 [out, in//2], e8m0 [out, in//32])."""
-    from cpu_kernels import e2m1_codes, fast_round_scale, pack_fp4
-
-    g = w.unflatten(-1, (-1, 32))
-    s = fast_round_scale(g.abs().amax(-1).clamp_min(6 * 2.0**-126), torch.tensor(1 / 6.0))
-    codes = e2m1_codes((g / s.unsqueeze(-1)).clamp(-6, 6)).flatten(-2)
-    return pack_fp4(codes), s.to(torch.float8_e8m0fnu)
-
-
-@torch.no_grad()
-def init_weights(model_mod, model: torch.nn.Module, seed: int, bf16_grid: bool = False):
-    """Random weights in the dtypes the model allocates. bf16_grid=True (faithful mode) also rounds
-    the tensors the model keeps in fp32 but the checkpoint stores in bf16 (ParallelHead.weight,
-    ratio>1 Compressor.wkv/wgate; see their comments in model.py) to the bf16 grid."""
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, std=1.0):
-        return torch.randn(*shape, generator=g) * std
-
-    for mname, mod in model.named_modules():
-        if isinstance(mod, model_mod.Linear):
-            o, i = mod.out_features, mod.in_features
-            w = randn(o, i, std=i**-0.5)
-            dt = mod.weight.dtype
-            if dt == torch.float8_e4m3fn:
-                q, s = _fp8_blockwise(w)
-                mod.weight.data.copy_(q)
-                mod.scale.data.copy_(s)
-            elif dt == torch.float4_e2m1fn_x2:
-                q, s = _fp4_rowwise(w)
-                mod.weight.data = q
-                mod.weight.scale = mod.scale
-                mod.scale.data.copy_(s)
-            else:
-                if bf16_grid and ".compressor." in mname:
-                    w = w.bfloat16().float()
-                mod.weight.data.copy_(w.to(dt))
-        elif isinstance(mod, model_mod.RMSNorm):
-            mod.weight.data.copy_((1 + randn(mod.dim, std=0.1)).to(mod.weight.dtype))
-        elif isinstance(mod, model_mod.ParallelEngramEmbedding):
-            rows, d = mod.weight.shape
-            v = randn(rows, d).unflatten(-1, (-1, mod.block_size))
-            from cpu_kernels import fast_round_scale, to_e4m3
-
-            s = fast_round_scale(v.abs().amax(-1).clamp_min(1e-4), torch.tensor(1 / 448.0))
-            mod.weight.data.copy_(to_e4m3(v / s.unsqueeze(-1)).flatten(-2))
-            mod.scale.data.copy_(s.to(torch.float8_e8m0fnu))
-        elif isinstance(mod, model_mod.ParallelEmbedding):
-            mod.weight.data.copy_(randn(*mod.weight.shape).to(mod.weight.dtype))
-        elif isinstance(mod, model_mod.ParallelHead):
-            w = randn(*mod.weight.shape, std=mod.dim**-0.5)
-            mod.weight.data.copy_(w.bfloat16().float() if bf16_grid else w)
-        elif isinstance(mod, model_mod.Gate):
-            mod.weight.data.copy_(randn(*mod.weight.shape, std=mod.dim**-0.5).to(mod.weight.dtype))
-            mod.bias.data.copy_(randn(*mod.bias.shape, std=0.1))
-        elif isinstance(mod, model_mod.Engram):
-            mod.q_weight.data.copy_(1 + randn(*mod.q_weight.shape, std=0.1))
-            mod.k_weight.data.copy_(1 + randn(*mod.k_weight.shape, std=0.1))
-        elif isinstance(mod, model_mod.Attention):
-            mod.attn_sink.data.copy_(randn(*mod.attn_sink.shape, std=0.5))
-        elif isinstance(mod, model_mod.Block):
-            hc_dim = mod.hc_attn_fn.shape[1]
-            for p in (mod.hc_attn_fn, mod.hc_ffn_fn):
-                p.data.copy_(randn(*p.shape, std=hc_dim**-0.5))
-            for p in (mod.hc_attn_base, mod.hc_ffn_base):
-                p.data.copy_(randn(*p.shape, std=0.5))
-            for p in (mod.hc_attn_scale, mod.hc_ffn_scale):
-                p.data.copy_(0.5 + torch.rand(3, generator=g))
 
 
 # ----------------------------------------------------------------------------- instrumentation
@@ -263,6 +201,7 @@ def stats(t):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["fp32", "faithful"], default="fp32")
+    ap.add_argument("--config", choices=["a", "b"], default="a")
     ap.add_argument("--prefill", type=int, default=40)
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2)
@@ -273,10 +212,12 @@ def main():
     opts = ap.parse_args()
 
     sys.path.insert(0, HERE)
+    from tiny_weights import fp32_twin, init_weights, stored_fp32
+
     torch.manual_seed(opts.seed)
     model_mod, engram_mod = import_reference()
-    tok = TinyTokenizer(512)
-    args = tiny_args(model_mod, engram_mod, opts.mode, tok)
+    tok = TinyTokenizer(VOCAB)
+    args = tiny_args(model_mod, engram_mod, opts.mode, tok, opts.config)
     assert opts.prefill + opts.decode <= args.max_seq_len
 
     act_dtype = torch.bfloat16 if opts.mode == "faithful" else torch.float32
@@ -289,6 +230,10 @@ def main():
             if p.dtype == torch.bfloat16 and ".engram.wkv." not in name:
                 p.data = p.data.float()
     init_weights(model_mod, model, opts.seed, bf16_grid=opts.mode == "faithful")
+    with torch.no_grad():  # the bf16 grid for every tensor the release stores as bf16 (see the module docstring)
+        for name, p in model.named_parameters():
+            if p.dtype in (torch.float32, torch.bfloat16) and not stored_fp32(name):
+                p.data = p.data.bfloat16().to(p.dtype)
     model.eval()
     log, detail = watch_index_k(model_mod, model, fix_quirk=opts.fix_index_k_quirk)
 
@@ -297,11 +242,57 @@ def main():
     print(f"mode={opts.mode} act_dtype={act_dtype} layers={args.n_layers} ratios={args.compress_ratios} "
           f"engram rows={args.engram_num_embeddings} compressed_vocab={args.engram_compressed_vocab_size}")
 
+    L, prefill_all, tokens = generate(model, prompt, opts.decode, log, detail)
+    if opts.save:
+        os.makedirs(opts.save, exist_ok=True)
+        from safetensors.torch import save_file
+
+        sd = {}
+        for k, v in model.state_dict().items():
+            if v.dtype == torch.float4_e2m1fn_x2:
+                v = v.view(torch.int8)  # the checkpoint stores packed fp4 experts as int8
+            elif v.dtype in (torch.float32, torch.bfloat16) and not stored_fp32(k):
+                assert torch.equal(v.bfloat16().to(v.dtype), v), k  # on the grid: lossless
+                v = v.bfloat16()
+            sd[k] = v.contiguous()
+        save_file(sd, os.path.join(opts.save, "model.safetensors"))
+        cfg = asdict(args)
+        if opts.mode == "faithful":  # the release's spelling of the formats (HF config.json)
+            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                          "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+        with open(os.path.join(opts.save, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        out = {"tokens": tokens, "prompt_len": opts.prefill, "logits": L, "prefill_logits_all": prefill_all,
+               "token_map": model.engram_hash.token_map, "mode": opts.mode,
+               "fix_index_k_quirk": opts.fix_index_k_quirk}
+        if opts.mode == "fp32":
+            # the same model and tokens with the in-place FP8/FP4 rounding of the KV, latent and index caches off
+            # (cpu_kernels' V41_CPU_NO_QAT): fp32 arithmetic only, no rounding boundary for an ulp to cross
+            os.environ["V41_CPU_NO_QAT"] = "1"
+            nogrid = generate(model, prompt, opts.decode, log, detail, forced=tokens)
+            out["logits_nogrid"], out["prefill_logits_all_nogrid"] = nogrid[:2]
+            del os.environ["V41_CPU_NO_QAT"]
+        if opts.mode == "faithful":
+            # the same reference in fp32 mode on the dequantized weights, fed the same tokens: its distance to the
+            # faithful logits is the reference's own error from bf16 activations and FP8-quantized GEMM inputs
+            torch.set_default_dtype(torch.float32)
+            twin = fp32_twin(model_mod, tiny_args(model_mod, engram_mod, "fp32", tok, opts.config), tok, model)
+            tlog, tdetail = watch_index_k(model_mod, twin, fix_quirk=opts.fix_index_k_quirk)
+            out["logits_fp32"], out["prefill_logits_all_fp32"], _ = generate(twin, prompt, opts.decode, tlog, tdetail,
+                                                                             forced=tokens)
+            del out["prefill_logits_all"]  # (size) the faithful run's last-position logits are in "logits"
+            print(f"fp32 twin vs faithful: max |dlogit| {(out['logits_fp32'] - L).abs().max():.4f}")
+        torch.save(out, os.path.join(opts.save, "logits.pt"))
+        print("saved to", opts.save)
+
+
+def generate(model, prompt, decode: int, log, detail, forced=None):
+    """Prefill `prompt`, then `decode` greedy steps (or the tokens of `forced` [b, prefill + decode + 1]).
+    Returns (logits [b, 1 + decode, vocab], prefill logits of every position, the tokens)."""
     # observation only: keep the final-norm output so the prefill logits of *every* position can be
     # formed with the head weight (upstream ParallelHead returns the last position only)
     normed = {}
-    model.norm.register_forward_hook(lambda m, i, o: normed.__setitem__("h", o))
-
+    hook = model.norm.register_forward_hook(lambda m, i, o: normed.__setitem__("h", o))
     all_logits = []
     with torch.inference_mode():
         ids, logits, _ = model(prompt, 0)
@@ -311,40 +302,24 @@ def main():
             print(f"  prefill indexer L{li}: last query keeps {nvalid} valid of top-{width}"
                   + ("" if ncand is None else f"; candidate positions visible {ncand}"))
         all_logits.append(logits)
-        print(f"prefill[{opts.prefill}] logits {tuple(logits.shape)} {stats(logits)} argmax {ids.tolist()}")
+        print(f"prefill[{prompt.shape[1]}] logits {tuple(logits.shape)} {stats(logits)} argmax {ids.tolist()}")
+        pos = prompt.shape[1]
+        if forced is not None:
+            ids = forced[:, pos]
         seq = [prompt, ids.unsqueeze(1)]
-        tok_in = ids.unsqueeze(1)
-        pos = opts.prefill
-        for step in range(opts.decode):
+        for step in range(decode):
             n0 = len(log)
-            ids, logits, _ = model(tok_in, pos)
+            ids, logits, _ = model(seq[-1], pos)
             all_logits.append(logits)
             srcs = ",".join(f"L{a}<-k{b}" for a, b in log[n0:])
             print(f"decode pos {pos:2d} {stats(logits)} argmax {ids.tolist()}  index_k: {srcs}")
-            tok_in = ids.unsqueeze(1)
-            seq.append(tok_in)
             pos += 1
+            seq.append((ids if forced is None else forced[:, pos]).unsqueeze(1))
+    hook.remove()
     L = torch.stack(all_logits, 1)  # [b, 1 + decode, vocab]
     assert torch.isfinite(L).all(), "non-finite logits"
     print(f"all logits {tuple(L.shape)} finite; {stats(L)}")
-
-    if opts.save:
-        os.makedirs(opts.save, exist_ok=True)
-        from safetensors.torch import save_file
-
-        sd = {}
-        for k, v in model.state_dict().items():
-            if v.dtype == torch.float4_e2m1fn_x2:
-                v = v.view(torch.int8)  # the checkpoint stores packed fp4 experts as int8
-            sd[k] = v.contiguous()
-        save_file(sd, os.path.join(opts.save, "model.safetensors"))
-        cfg = asdict(args)
-        with open(os.path.join(opts.save, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        torch.save({"tokens": torch.cat(seq, 1), "prompt_len": opts.prefill, "logits": L, "prefill_logits_all": prefill_all,
-                    "token_map": model.engram_hash.token_map, "mode": opts.mode,
-                    "fix_index_k_quirk": opts.fix_index_k_quirk}, os.path.join(opts.save, "logits.pt"))
-        print("saved to", opts.save)
+    return L, prefill_all, torch.cat(seq, 1)
 
 
 if __name__ == "__main__":

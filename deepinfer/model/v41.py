@@ -1,0 +1,159 @@
+"""DeepSeek-V4.1 text model on the CPU reference path, every op called through an `OpTable`.
+
+Per token: embed, copy into `hc_mult` residual streams, and start from a one-hot pre mix on copy 0. Per layer:
+the Engram lookup (its layers only) is added to the copies, then mHC "single pass": the attention input is the
+copies collapsed with the pre mix the previous layer's FFN computed; the FFN input with the pre mix this layer's
+attention computed (from the copies before attention); each sublayer's post/comb mixes expand its output back.
+The final collapse uses the last FFN's pre mix (no HyperHead), then the final norm and the LM head.
+
+One `forward` runs chunks of one or more sequences (`Chunk`: rows of the flat batch continuing a sequence at
+its token count): a prefill is one chunk (or several: chunked prefill), a decode step is one one-token chunk
+per sequence. Routing is V4.1's: top-k on sqrtsoftplus + bias for every layer (no hash routing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer.config_v41 import V41Config
+from deepinfer.errors import ConfigError
+from deepinfer.model.compressor import RopeTables
+from deepinfer.model.engram_hash import DEAD, EngramHasher
+from deepinfer.model.moe import moe
+from deepinfer.model.rope import inv_freq
+from deepinfer.model.v41_attention import LayerContext, attention
+from deepinfer.model.v41_cache import V41Cache
+from deepinfer.model.v41_compress import Chunk, Published
+from deepinfer.model.v41_weights import Engram41, V41Weights
+from tilekernels import OpTable
+
+ENGRAM_DTYPE = torch.bfloat16  # the reference feeds the Engram projection bf16 rows (exact for FP8 tables)
+
+
+class DeepseekV41:
+    def __init__(self, cfg: V41Config, weights: V41Weights, ops: OpTable, hasher: EngramHasher | None):
+        if cfg.engram is not None:
+            if hasher is None:
+                raise ConfigError("this V4.1 config has Engram layers: the model needs their n-gram hasher "
+                                  "(deepinfer.model.engram_hash.build from the model's tokenizer)")
+            want = (len(cfg.engram.layer_ids), cfg.engram.max_ngram)
+            classes = int(hasher.classes.max()) + 1
+            if tuple(hasher.multipliers.shape) != want or classes != cfg.engram.compressed_vocab_size:
+                raise ConfigError(f"the Engram hasher has {classes} token classes and multipliers "
+                                  f"{list(hasher.multipliers.shape)}; the config declares "
+                                  f"{cfg.engram.compressed_vocab_size} classes and {list(want)}")
+            if hasher.table_rows != list(cfg.engram.num_embeddings):
+                raise ConfigError(f"the Engram hasher's tables have {hasher.table_rows} rows; the config declares "
+                                  f"{list(cfg.engram.num_embeddings)}")
+        source = cfg.candidate_source_layer
+        mixed = [i for i in cfg.index_source_layers if source is not None and i > source
+                 and cfg.compress_ratios[i] != cfg.compress_ratios[source]]
+        if mixed:
+            raise ConfigError(f"index source layers {mixed} follow candidate source {source} but have another "
+                              f"compress ratio: they cannot be restricted to its candidate blocks")
+        self.cfg, self.weights, self.ops, self.hasher = cfg, weights, ops, hasher
+        device = weights.embed.device
+        main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device), cfg.rope_main.attention_factor)
+        comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device),
+                          cfg.rope_compress.attention_factor)
+        self._ctx = [LayerContext.build(cfg, ops, i, main, comp) for i in range(cfg.num_hidden_layers)]
+        self._swiglu_limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else math.inf  # 0 means no clamp
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    def new_cache(self, slots: int, max_len: int) -> V41Cache:
+        return V41Cache.empty(self.cfg, slots, max_len, self.dtype, self.weights.embed.device)
+
+    def prefill(self, cache: V41Cache, ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """One chunk of one sequence (its first, or a continuation: chunked prefill) -> fp32 logits [S, V] of
+        every row."""
+        cache.check_room(slot, ids.shape[0])
+        chunk = Chunk(slot, 0, ids.shape[0], cache.num_tokens[slot])
+        return self.forward(cache, ids, [chunk], logit_rows=torch.arange(ids.shape[0]))
+
+    def decode(self, cache: V41Cache, ids: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """One token per sequence -> fp32 logits [B, V]."""
+        for slot in slots:
+            cache.check_room(slot, 1)
+        chunks = [Chunk(slot, i, 1, cache.num_tokens[slot]) for i, slot in enumerate(slots)]
+        return self.forward(cache, ids, chunks)
+
+    @torch.inference_mode()
+    def forward(self, cache: V41Cache, ids: torch.Tensor, chunks: list[Chunk],
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [N] holds every chunk's rows; returns fp32 logits of `logit_rows` (default: each chunk's last row)
+        and advances the sequences' token counts."""
+        slots = [ch.slot for ch in chunks]
+        starts = [sum(ch.length for ch in chunks[:i]) for i in range(len(chunks))]
+        if [ch.start for ch in chunks] != starts or sum(ch.length for ch in chunks) != ids.shape[0]:
+            raise ValueError(f"chunks (start, length) {[(ch.start, ch.length) for ch in chunks]} must cover the "
+                             f"{ids.shape[0]} ids in order")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"chunks {slots} name one cache slot twice; one chunk per sequence per forward")
+        for ch in chunks:
+            if ch.length < 1:
+                raise ValueError(f"the chunk of slot {ch.slot} holds {ch.length} tokens; a chunk holds at least one")
+            cache.check_room(ch.slot, ch.length)
+            if ch.t0 != cache.num_tokens[ch.slot]:
+                raise ValueError(f"the chunk of slot {ch.slot} starts at {ch.t0}, but the slot holds "
+                                 f"{cache.num_tokens[ch.slot]} tokens")
+        pos = torch.cat([torch.arange(ch.t0, ch.t0 + ch.length) for ch in chunks]).to(ids.device)
+        rows = self._engram_rows(cache, ids, chunks)
+        logits = self._layers(cache, ids, pos, chunks, rows, logit_rows)
+        for ch in chunks:
+            cache.num_tokens[ch.slot] += ch.length
+        return logits
+
+    def _layers(self, cache: V41Cache, ids: torch.Tensor, pos: torch.Tensor, chunks: list[Chunk],
+                engram_rows: torch.Tensor | None, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        cfg, ops, w = self.cfg, self.ops, self.weights
+        eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        x = ops.embedding(ids, w.embed)
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0
+        shared = Published()
+        for i, layer in enumerate(w.layers):
+            if layer.engram is not None:
+                h = self._engram(layer.engram, h, engram_rows[:, cfg.engram.layer_ids.index(i)])
+            hc = layer.attn_hc
+            attn_pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
+            a = ops.rms_norm(ops.hc_collapse(h, pre), layer.attn_norm, eps)
+            h = ops.hc_post(h, attention(self._ctx[i], layer, cache, chunks, a, pos, shared), post, comb)
+            hc = layer.ffn_hc
+            pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
+            f = ops.rms_norm(ops.hc_collapse(h, attn_pre), layer.ffn_norm, eps)
+            f = moe(ops, layer.moe, f, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
+                    self._swiglu_limit)
+            h = ops.hc_post(h, f, post, comb)
+        if logit_rows is None:
+            logit_rows = torch.tensor([ch.start + ch.length - 1 for ch in chunks], device=h.device)
+        out = ops.rms_norm(ops.hc_collapse(h[logit_rows], pre[logit_rows]), w.norm, eps)
+        return ops.linear(out.float(), w.head).float()
+
+    def _engram(self, w: Engram41, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """h [N, hc, D] += gated Engram value; rows [N, (max_ngram - 1) * heads] table rows of each token."""
+        ops, n, d = self.ops, h.shape[0], h.shape[-1]
+        kv = ops.linear(ops.engram_lookup(rows, w.table, ENGRAM_DTYPE), w.wkv).float()
+        key, value = kv.split([self.cfg.hc_mult * d, d], dim=-1)
+        return ops.engram_gate(h, key.view(n, self.cfg.hc_mult, d), value, w.q_weight, w.k_weight,
+                               self.cfg.rms_norm_eps)
+
+    def _engram_rows(self, cache: V41Cache, ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
+        """Record each chunk's token classes and hash the n-grams ending at its positions ->
+        [N, engram layers, (max_ngram - 1) * heads]."""
+        if self.hasher is None:
+            return None
+        back = self.hasher.multipliers.shape[1] - 1
+        out = []
+        for ch in chunks:
+            t0, end = ch.t0, ch.t0 + ch.length
+            cache.classes[ch.slot, t0:end] = self.hasher.classes_of(ids[ch.rows])
+            before = torch.full((max(0, back - t0),), DEAD, dtype=torch.int64, device=ids.device)
+            history = torch.cat([before, cache.classes[ch.slot, max(0, t0 - back): end]])
+            out.append(self.hasher.hashes(history.unsqueeze(0))[0])
+        return torch.cat(out)

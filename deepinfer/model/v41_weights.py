@@ -1,0 +1,236 @@
+"""The tensors of a DeepSeek-V4.1 model: their names and shapes (`tensor_specs`, from `V41Config`) and the
+typed containers the forward pass reads (`V41Weights.from_tensors`).
+
+Names are DeepSeek's upstream checkpoint names (`layers.3.attn.wq_a.weight`, `embed.weight`; a leading `model.`
+is accepted by the loader): transformers has no V4.1 model, so there is no HF spelling to map. Quantization
+scales (`<module>.scale`) are not listed: the loader pairs them with their weight. Routed experts are listed one
+by one (`layers.L.ffn.experts.E.w1.weight`) and stacked into `MoE.gate_up` / `MoE.down` here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from deepinfer.config_v41 import V41Config
+from deepinfer.errors import WeightsError
+from deepinfer.model.weights import FP32, MODEL, HyperConnection, MoE, TensorSpec
+from tilekernels.quant import BlockQuantized
+
+TABLE = "table"  # kept in its checkpoint format (the FP8 Engram tables: 384M rows in the release)
+
+
+def key_owner(cfg: V41Config, layer: int) -> int:
+    """The layer whose index keys index source `layer` scores against: the nearest kv source at or before it that
+    is also an index source (itself when it is one). deepinfer follows this on every step (the fixed behaviour,
+    docs/model-v41.md): the reference's decode reads whichever key cache was published last."""
+    owners = [s for s in cfg.kv_source_layers if s in cfg.index_source_layers and s <= layer]
+    if not owners or cfg.compress_ratios[max(owners)] != cfg.compress_ratios[layer]:
+        raise WeightsError(f"index source layer {layer} (ratio {cfg.compress_ratios[layer]}) has no kv-and-index "
+                           f"source of the same ratio at or before it to take index keys from "
+                           f"(kv sources {list(cfg.kv_source_layers)}, index sources {list(cfg.index_source_layers)})")
+    return max(owners)
+
+
+def _block(specs: dict, p: str, cfg: V41Config, experts: int) -> None:
+    """The tensors every block (backbone or draft) has."""
+    d, h, hd, q = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    n, inter = cfg.hc_mult, cfg.moe_intermediate_size
+    mix = (2 + n) * n
+    a = p + "attn."
+    specs.update({
+        p + "attn_norm.weight": TensorSpec((d,), FP32), p + "ffn_norm.weight": TensorSpec((d,), FP32),
+        a + "attn_sink": TensorSpec((h,), FP32),
+        a + "wq_a.weight": TensorSpec((q, d), MODEL), a + "q_norm.weight": TensorSpec((q,), FP32),
+        a + "wq_b.weight": TensorSpec((h * hd, q), MODEL),
+        a + "wkv.weight": TensorSpec((hd, d), MODEL), a + "kv_norm.weight": TensorSpec((hd,), FP32),
+        a + "wo_a.weight": TensorSpec((cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups), MODEL),
+        a + "wo_b.weight": TensorSpec((d, cfg.o_groups * cfg.o_lora_rank), MODEL),
+        p + "ffn.gate.weight": TensorSpec((experts, d), MODEL), p + "ffn.gate.bias": TensorSpec((experts,), FP32),
+    })
+    for sub in ("attn", "ffn"):
+        specs[f"{p}hc_{sub}_fn"] = TensorSpec((mix, n * d), FP32)
+        specs[f"{p}hc_{sub}_base"] = TensorSpec((mix,), FP32)
+        specs[f"{p}hc_{sub}_scale"] = TensorSpec((3,), FP32)
+    for e in range(experts):
+        x = f"{p}ffn.experts.{e}."
+        specs.update({x + "w1.weight": TensorSpec((inter, d), MODEL), x + "w3.weight": TensorSpec((inter, d), MODEL),
+                      x + "w2.weight": TensorSpec((d, inter), MODEL)})
+    x = p + "ffn.shared_experts."
+    specs.update({x + "w1.weight": TensorSpec((inter, d), MODEL), x + "w3.weight": TensorSpec((inter, d), MODEL),
+                  x + "w2.weight": TensorSpec((d, inter), MODEL)})
+
+
+def tensor_specs(cfg: V41Config) -> dict[str, TensorSpec]:
+    """Every tensor the text model and its draft blocks need, by upstream name (vision tensors are not listed)."""
+    d, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    specs: dict[str, TensorSpec] = {"embed.weight": TensorSpec((v, d), MODEL), "head.weight": TensorSpec((v, d), MODEL),
+                                    "norm.weight": TensorSpec((d,), FP32)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        _block(specs, p, cfg, cfg.n_routed_experts)
+        a = p + "attn."
+        if i in cfg.kv_source_layers:
+            specs[a + "compressor.wkv.weight"] = TensorSpec((hd, d), MODEL)
+            specs[a + "compressor.norm.weight"] = TensorSpec((hd,), FP32)
+            if cfg.compress_ratios[i] > 1:
+                specs[a + "compressor.wgate.weight"] = TensorSpec((hd, d), MODEL)
+        if i in cfg.index_source_layers:
+            di = cfg.index_head_dim
+            specs[a + "indexer.wq_b.weight"] = TensorSpec((cfg.index_n_heads * di, cfg.q_lora_rank), MODEL)
+            specs[a + "indexer.weights_proj.weight"] = TensorSpec((cfg.index_n_heads, d), MODEL)
+            if key_owner(cfg, i) == i:
+                specs[a + "indexer.wk.weight"] = TensorSpec((di, hd), MODEL)
+                specs[a + "indexer.k_norm.weight"] = TensorSpec((di,), FP32)
+        if cfg.engram is not None and i in cfg.engram.layer_ids:
+            e, k = cfg.engram, cfg.engram.layer_ids.index(i)
+            cols = (e.max_ngram - 1) * e.n_heads * e.head_dim
+            specs.update({
+                p + "engram.embed.weight": TensorSpec((e.num_embeddings[k], e.head_dim), TABLE),
+                p + "engram.wkv.weight": TensorSpec((d * (cfg.hc_mult + 1), cols), MODEL),
+                p + "engram.q_weight": TensorSpec((cfg.hc_mult, d), FP32),
+                p + "engram.k_weight": TensorSpec((cfg.hc_mult, d), FP32),
+            })
+    specs.update(draft_specs(cfg))
+    return specs
+
+
+def draft_specs(cfg: V41Config) -> dict[str, TensorSpec]:
+    """The DSpark draft blocks (`mtp.{i}.*`): window-only blocks with their own experts, the main-hidden
+    projection on the first, the final norm, Markov and confidence heads on the last. Loaded, not yet run."""
+    ds, d = cfg.dspark, cfg.hidden_size
+    if ds is None or cfg.num_nextn_predict_layers == 0:
+        return {}
+    bad = [r for r in cfg.draft_compress_ratios if r != 0]
+    if bad:
+        raise WeightsError(f"draft layers have compress ratios {list(cfg.draft_compress_ratios)}; DSpark draft "
+                           f"blocks are window-only (ratio 0)")
+    specs: dict[str, TensorSpec] = {}
+    last = cfg.num_nextn_predict_layers - 1
+    for i in range(cfg.num_nextn_predict_layers):
+        _block(specs, f"mtp.{i}.", cfg, ds.n_routed_experts)
+    specs["mtp.0.main_proj.weight"] = TensorSpec((d, d * len(ds.target_layer_ids)), MODEL)
+    specs["mtp.0.main_norm.weight"] = TensorSpec((d,), FP32)
+    specs[f"mtp.{last}.norm.weight"] = TensorSpec((d,), FP32)
+    specs[f"mtp.{last}.markov_head.embed.weight"] = TensorSpec((cfg.vocab_size, ds.markov_rank), MODEL)
+    specs[f"mtp.{last}.markov_head.head.weight"] = TensorSpec((cfg.vocab_size, ds.markov_rank), MODEL)
+    specs[f"mtp.{last}.confidence_head.proj.weight"] = TensorSpec((1, d + ds.markov_rank), MODEL)
+    return specs
+
+
+# ------------------------------------------------------------------------------------------------ containers
+
+
+@dataclass(frozen=True)
+class Attention41:
+    sink: torch.Tensor
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor
+    wo_b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Compressor41:
+    wkv: torch.Tensor
+    wgate: torch.Tensor | None  # ratio > 1 only
+    norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Indexer41:
+    wq_b: torch.Tensor
+    weights_proj: torch.Tensor
+    wk: torch.Tensor | None  # key owners only
+    k_norm: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Engram41:
+    table: BlockQuantized | torch.Tensor
+    wkv: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Layer41:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+    attn: Attention41
+    compressor: Compressor41 | None
+    indexer: Indexer41 | None
+    engram: Engram41 | None
+    moe: MoE
+
+
+@dataclass(frozen=True)
+class V41Weights:
+    embed: torch.Tensor
+    head: torch.Tensor
+    norm: torch.Tensor
+    layers: tuple[Layer41, ...]
+    drafts: Mapping[str, torch.Tensor]  # mtp.* by name, kept for speculative decoding
+
+    @classmethod
+    def from_tensors(cls, cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> V41Weights:
+        """Check a name -> tensor map against `tensor_specs(cfg)` and pack it."""
+        check_tensors(cfg, tensors)
+        t = tensors
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p, a = f"layers.{i}.", f"layers.{i}.attn."
+            compressor = indexer = engram = None
+            if i in cfg.kv_source_layers:
+                compressor = Compressor41(t[a + "compressor.wkv.weight"], t.get(a + "compressor.wgate.weight"),
+                                          t[a + "compressor.norm.weight"])
+            if i in cfg.index_source_layers:
+                indexer = Indexer41(t[a + "indexer.wq_b.weight"], t[a + "indexer.weights_proj.weight"],
+                                    t.get(a + "indexer.wk.weight"), t.get(a + "indexer.k_norm.weight"))
+            if p + "engram.wkv.weight" in t:
+                engram = Engram41(t[p + "engram.embed.weight"], t[p + "engram.wkv.weight"], t[p + "engram.q_weight"],
+                                  t[p + "engram.k_weight"])
+            layers.append(Layer41(
+                attn_norm=t[p + "attn_norm.weight"], ffn_norm=t[p + "ffn_norm.weight"],
+                attn_hc=_hc(t, p + "hc_attn_"), ffn_hc=_hc(t, p + "hc_ffn_"),
+                attn=Attention41(*(t[a + n] for n in ("attn_sink", "wq_a.weight", "q_norm.weight", "wq_b.weight",
+                                                       "wkv.weight", "kv_norm.weight", "wo_a.weight", "wo_b.weight"))),
+                compressor=compressor, indexer=indexer, engram=engram,
+                moe=_moe(t, p + "ffn.", cfg.n_routed_experts),
+            ))
+        drafts = {name: t[name] for name in draft_specs(cfg)}
+        return cls(t["embed.weight"], t["head.weight"], t["norm.weight"], tuple(layers), drafts)
+
+
+def check_tensors(cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise `WeightsError` naming the missing tensors or the first one of the wrong shape."""
+    specs = tensor_specs(cfg)
+    missing = [name for name in specs if name not in tensors]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise WeightsError(f"the checkpoint lacks {len(missing)} tensor(s) the V4.1 config requires: {shown}")
+    for name, spec in specs.items():
+        got = tuple(tensors[name].shape)
+        if got != spec.shape:
+            raise WeightsError(f"tensor {name} has shape {list(got)}, but the V4.1 config requires {list(spec.shape)}")
+
+
+def _hc(t: Mapping[str, torch.Tensor], prefix: str) -> HyperConnection:
+    return HyperConnection(t[prefix + "fn"], t[prefix + "base"], t[prefix + "scale"])
+
+
+def _moe(t: Mapping[str, torch.Tensor], p: str, experts: int) -> MoE:
+    """Upstream's per-expert w1 (gate) / w3 (up) / w2 (down) stacked as the MoE ops take them."""
+    e = [f"{p}experts.{i}." for i in range(experts)]
+    gate_up = torch.stack([torch.cat([t[x + "w1.weight"], t[x + "w3.weight"]]) for x in e])
+    down = torch.stack([t[x + "w2.weight"] for x in e])
+    s = p + "shared_experts."
+    return MoE(gate=t[p + "gate.weight"], bias=t[p + "gate.bias"], tid2eid=None, gate_up=gate_up, down=down,
+               shared_gate_up=torch.cat([t[s + "w1.weight"], t[s + "w3.weight"]]), shared_down=t[s + "w2.weight"])
