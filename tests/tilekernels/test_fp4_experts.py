@@ -1,10 +1,13 @@
 """The FP4 routed experts at decode sizes (moe_experts + moe_fp4): the decoders' bit tricks against the e2m1
 table, the expert-major layout's tile bound, which variant and body `run` picks, the c-target numerics of the
 portable body at the decode tile, and the sm_90a override built to a cubin at V4-Flash widths (lowering for
-sm100/Ascend of the portable body at the decode tile). The override itself runs only on the H200
-(benchmarks/fp4_experts.py checks it against the reference there)."""
+sm100/Ascend of the portable body at the decode tile), and the sm_100a block-scaled override lowered (never run:
+no Blackwell GPU here). The sm_90a override runs only on the H200 (tests/gpu, benchmarks/fp4_experts.py)."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,21 +86,43 @@ def test_run_picks_the_decode_tile_up_to_64_tokens():
     assert moe_experts.DECODE_TOKENS + 1 in DECLARED["moe_experts"].row_samples
 
 
-def test_the_swapped_operand_override_is_sm90_bf16_only():
-    """sm90 runs `moe_fp4`'s kernel for its bf16 variants, decode (16-row tiles) and prefill (64-row tiles, with
-    their own tile tune); other targets and fp32 keep the portable body."""
-    from tilekernels.ops import moe_fp4
+def test_the_fp4_overrides_take_the_variants_they_are_for():
+    """sm90 runs `moe_fp4`'s swapped-operand kernel for its bf16 variants, decode (16-row tiles) and prefill
+    (64-row tiles, with their own tile tune); sm100 runs `moe_fp4_sm100`'s block-scaled MMA kernel where K is a
+    whole number of 128-deep steps; Ascend, c, fp32 and other K keep the portable body."""
+    from tilekernels.ops import moe_fp4, moe_fp4_sm100
 
     kernel = DECLARED["moe_experts"].kernel("grouped_gemm_fp4")
     decode = moe_experts.variant(4096, 4096, 256, "bfloat16", fp4=True, tokens=1)
     prefill = moe_experts.variant(4096, 4096, 256, "bfloat16", fp4=True, tokens=512)
     for v in (decode, prefill):
         assert kernel.body_for("sm90", v) is not kernel.body
-        for target in ("sm100", "ascend", "c"):
+        assert kernel.body_for("sm100", v) is moe_fp4_sm100.body
+        for target in ("ascend", "c"):
             assert kernel.body_for(target, v) is kernel.body
-    assert kernel.body_for("sm90", moe_experts.variant(64, 64, 4, "float32", fp4=True, tokens=1)) is kernel.body
+    assert kernel.body_for("sm100", moe_experts.variant(4096, 4000, 256, "bfloat16", fp4=True, tokens=1)) is kernel.body
+    for target in ("sm90", "sm100"):
+        assert kernel.body_for(target, moe_experts.variant(128, 128, 4, "float32", fp4=True, tokens=1)) is kernel.body
     assert moe_fp4.tune_for(decode.block_m) == moe_fp4.TUNE
     assert moe_fp4.tune_for(prefill.block_m) == moe_fp4.PREFILL_TUNE != moe_fp4.TUNE
+
+
+@pytest.mark.parametrize("tokens", [1, 4096])
+def test_the_sm100_fp4_kernel_lowers_to_the_block_scaled_mma(tokens):
+    """Lowered only (no Blackwell GPU here): the override becomes MXFP8 block-scaled tcgen05 MMAs (e4m3 operands,
+    one packed scale id per 32-deep K atom), with the scale words copied to tensor memory."""
+    import backends
+    from backends import tl
+    from tilekernels.lang import Facade
+    from tilekernels.ops import moe_fp4_sm100
+
+    target = backends.get("sm100")
+    v = moe_experts.variant(4096, 2048, 256, "bfloat16", fp4=True, tokens=tokens)
+    src = tl.lower(moe_fp4_sm100.body(Facade(target.traits), v), target.tvm_target,
+                   {**target.pass_configs, **moe_fp4_sm100.PASS_CONFIGS}, Path(tempfile.mkdtemp()), "k.cu",
+                   library=False)["source"].read_text()
+    assert "tcgen05mma_blockscaled_ss<tl::DataType::kFloat8_e4m3" in src
+    assert src.count("tcgen05_cp<") == 2 and "tcgen05_sf_warp_transpose" in src and "fence_proxy_async" in src
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
-from tilekernels.ops import linear, moe_fp4, swiglu
+from tilekernels.ops import linear, moe_fp4, moe_fp4_sm100, swiglu
 from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, exponent_bytes, quantize
 
 
@@ -150,10 +150,12 @@ _CPU = Config(block_n=16, block_k=16, stages=0, threads=1)
 # pass configs below are its, harmless for the portable body, which has no pipelined loop).
 KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, overrides=(
     Override("sm90", lambda v: v.dtype == "bfloat16", lambda P, v, cfg: moe_fp4.body_decode(P, v, cfg)),
+    Override("sm100", moe_fp4_sm100.fits, moe_fp4_sm100.body),
 ), configs={
     "default": Config(block_n=128, block_k=64, stages=0, threads=128),
     "sm90": Config(block_n=128, block_k=64, stages=0, threads=128, pass_configs=moe_fp4.TUNE.pass_configs),
-    "sm100": Config(block_n=128, block_k=64, stages=0, threads=128, min_block_n=64),
+    "sm100": Config(block_n=128, block_k=64, stages=0, threads=128, min_block_n=64,
+                    pass_configs=moe_fp4_sm100.PASS_CONFIGS),
     "ascend": Config(block_n=128, block_k=64, stages=0, threads=128),
     "c": Config(block_n=16, block_k=32, stages=0, threads=1),
 })
