@@ -8,26 +8,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
+from deepinfer.assemble import EngineOptions, assemble_v4, assemble_v41, check_v41_backend, progress_bar
+from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.runtime.backend import select as select_backend
-from deepinfer.runtime.cache import PagedCache
-from deepinfer.config import ModelConfig
 from deepinfer.runtime.engine import Engine, RunStats
-from deepinfer.env import Env, check_writable_dir
+from deepinfer.env import Env
 from deepinfer.errors import RequestError
-from deepinfer.model.model import DeepseekV4
-from deepinfer.model.weights import ModelWeights, tensor_specs
-from deepinfer.runtime.graph import DecodeGraphs
-from deepinfer.compile.prebuild import prebuild
 from deepinfer.runtime.scheduler import SchedulerConfig
 from deepinfer.serving.structured import THINK_END, Constraint, Grammars, from_so_args
 from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
-from deepinfer.options import (cache_spec, check_options, fit_check, host_memory, model_len,
-                               resolve_dtype, tiny_weight_bytes)
-from deepinfer.runtime.cache import CacheLayout
-from deepinfer.weights.loader import weight_bytes
+from deepinfer.options import check_options, model_len, resolve_dtype
 
 log = logging.getLogger("deepinfer")
 
@@ -35,10 +28,11 @@ PromptInput = Union[str, dict]
 
 
 class LLM:
-    """A DeepSeek-V4 model ready to generate.
+    """A DeepSeek-V4 or V4.1 model ready to generate (V4.1: on the CPU reference path).
 
-    model: an HF-format model directory; None means `DEEPINFER_HF_MODEL_DIR`, and when that is unset too,
-    the embedded tiny model with random weights (`deepinfer.tiny`).
+    model: an HF-format model directory (V4.1: also DeepSeek's own config spelling); None means
+    `DEEPINFER_HF_MODEL_DIR`, and when that is unset too, the embedded tiny model with random weights
+    (`deepinfer.tiny`).
     """
 
     def __init__(
@@ -63,76 +57,37 @@ class LLM:
         model = model if model is not None else env.hf_model_dir
         self.model_dir = Path(model) if model is not None else None
         self.random_weights = self.model_dir is None
-        self.backend = select_backend(backend, env.cache_dir, env)
-        torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         if self.model_dir is None:
             from deepinfer.tiny import tiny_config
 
             cfg = tiny_config()
         else:
-            cfg = ModelConfig.from_model_dir(self.model_dir)
+            cfg = read_config(self.model_dir)
         self.config = cfg
+        v41 = isinstance(cfg, V41Config)
+        if v41:  # before the backend resolves: a kernel backend is refused on any machine
+            check_v41_backend(backend if backend is not None else env.accelerator)
+        self.backend = select_backend(backend, env.cache_dir, env)
+        torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         self.max_model_len = model_len(cfg, max_model_len)
         # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
-        self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir))
-        # quantized checkpoint tensors stay FP8 / FP4 on every backend with `auto` (the kernels read them as
-        # stored; the reference ops dequantize one tensor at a time); `none` dequantizes them at load
-        self.keep_quantized = quantization == "auto"
-        memory = self.backend.memory()
-        where = "host memory available" if memory is None else "the device's free memory"
-        available = host_memory() if memory is None else memory[0]
-        cache_need, cache_desc = 0, ""
-        if num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
-            probe = cache_spec(cfg, None, torch_dtype, max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization)
-            cache_need = CacheLayout.build(cfg, probe, torch_dtype).nbytes
-            cache_desc = (f" (num_blocks={probe.num_blocks} blocks of {probe.block_tokens} positions, "
-                          f"max_num_seqs={probe.max_seqs} slots)")
-        self.weight_bytes = (weight_bytes(self.model_dir, cfg, torch_dtype, self.keep_quantized)
-                             if self.model_dir is not None else tiny_weight_bytes(cfg, torch_dtype))
-        hints = ["lower --max-num-seqs, --max-model-len or --num-blocks"]
-        if quantization == "none" and cfg.raw.get("quantization_config"):
-            hints.insert(0, "keep the checkpoint's FP8/FP4 weights with --quantization auto")
-        hints.append("a model larger than one device needs several (expert parallelism: not supported yet)")
-        fit_check(self.weight_bytes, cache_need, available, where, hints, cache_desc)
-        if self.backend.kernel_target is not None:
-            check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
-        if self.model_dir is None:
-            from deepinfer.tiny import random_tensors
-
-            tensors = random_tensors(cfg, seed=random_seed, dtype=torch_dtype)
-            self.mtp_tensors: dict[str, Any] = {}
+        self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir),
+                             v41=True if v41 else None)
+        self.keep_quantized = quantization == "auto" and not v41  # V4.1: dense weights dequantized at load
+        opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
+                             quantization, show_progress)
+        if v41:
+            built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, opts)
         else:
-            from deepinfer.weights.loader import load_checkpoint
-
-            bar = _progress_bar(show_progress, "loading weights", total=len(tensor_specs(cfg)))
-            # each tensor goes to the device as soon as it is read: the host holds one tensor at a time
-            ckpt = load_checkpoint(self.model_dir, cfg, torch_dtype, self.backend.device,
-                                   progress=None if bar is None else bar.update, keep_quantized=self.keep_quantized)
-            if bar is not None:
-                bar.close()
-            tensors = ckpt.tensors
-            self.mtp_tensors = ckpt.mtp
-            if ckpt.mtp:
-                log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(ckpt.mtp))
-        if self.backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
-            prebuild(self.backend.kernel_target, cfg, str(torch_dtype).removeprefix("torch."), env.cache_dir,
-                     show_progress, quantized=self.keep_quantized)
-        device = self.backend.device
-        weights = ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()})
-        self.model = DeepseekV4(cfg, weights, self.backend.ops)
-        self.cache = PagedCache(cfg, cache_spec(cfg, self.backend.memory(), torch_dtype, max_num_seqs, max_model_len,
-                                                num_blocks, gpu_memory_utilization), torch_dtype, device)
-        gib = 2**30
-        self.memory_report = (f"memory on {device}: weights {self.weight_bytes / gib:.2f} GiB"
-                              + (" (FP8/FP4 kept)" if self.keep_quantized and cfg.raw.get("quantization_config") else "")
-                              + f", cache {self.cache.num_bytes() / gib:.2f} GiB")
+            built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts)
+        self.model, self.cache, self.weight_bytes = built.model, built.cache, built.weight_bytes
+        self.memory_report, self.mtp_tensors = built.memory_report, built.mtp_tensors
         log.debug(self.memory_report)
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
-        graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.backend.capture)
-        self.engine = Engine(self.model, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), graphs,
-                             self.grammars, max_len=self.max_model_len)
+        self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), self.grammars,
+                             max_len=self.max_model_len)
         self.last_stats: RunStats | None = None
 
     # ---- public API ----------------------------------------------------------------------------
@@ -278,6 +233,10 @@ class LLM:
                 f"(max_model_len {self.max_model_len}, the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings})"
             )
+        image = getattr(cfg, "image_token_id", None)  # V4.1's image placeholder
+        if image is not None and image in ids:
+            raise RequestError(f"the prompt holds the image token {image}: images are not supported yet (the vision "
+                               "encoder does not run); send text only")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the model's vocabulary [0, {cfg.vocab_size})")
@@ -300,7 +259,7 @@ class LLM:
             requests.append(Request(index=e.index, prompt=e.prepared.prompt, params=e.params, seed=request_seed(e.params),
                                     output=e.output, prompt_text=e.prepared.text, constraint=state,
                                     custom_id=e.custom_id, arrival=now))
-        bar = _progress_bar(use_tqdm and len(requests) > 1, "requests", total=len(requests))
+        bar = progress_bar(use_tqdm and len(requests) > 1, "requests", total=len(requests))
 
         def finished(out: RequestOutput) -> None:
             if bar is not None:
@@ -377,12 +336,3 @@ def _conversations(messages: Any) -> list[list[dict]]:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _progress_bar(enabled: bool, desc: str, total: int | None = None):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req" if desc == "requests" else "tensor", leave=False, dynamic_ncols=True)
-

@@ -181,13 +181,13 @@ MAX_POSITIONS = 1 << 24  # no V4 config comes near; keeps cache arithmetic in ra
 def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type == "deepseek_v41":
-        raise ConfigError(f"{source}: model_type 'deepseek_v41' (DeepSeek-V4.1): its config is read "
-                          "(deepinfer.config_v41) but the V4.1 model does not run yet; deepinfer runs DeepSeek-V4 "
-                          "checkpoints (model_type 'deepseek_v4')")
+        raise ConfigError(f"{source}: model_type 'deepseek_v41' is a DeepSeek-V4.1 config, not a V4 one; this path "
+                          "reads V4 configs only (deepinfer.LLM and `deepinfer run offline` read both: "
+                          "deepinfer.config_v41.read_config)")
     if model_type != "deepseek_v4":
         raise ConfigError(
-            f"{source}: model_type is {model_type!r}; deepinfer serves DeepSeek-V4 models, "
-            "whose config.json has model_type 'deepseek_v4'"
+            f"{source}: model_type is {model_type!r}; deepinfer serves DeepSeek-V4 models (model_type "
+            "'deepseek_v4') and DeepSeek-V4.1 models (model_type 'deepseek_v41')"
         )
     n_layers = _int(raw, "num_hidden_layers", source)
     kv_heads = _get(raw, "num_key_value_heads")

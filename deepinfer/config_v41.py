@@ -6,15 +6,17 @@ Two spellings are read: the Hugging Face `config.json` (`model_type deepseek_v41
 reference `inference/model.py` at revision dba1be0 (tools/v41_reference/NOTES.md): layers with a compression
 ratio read the compressed cache of the nearest kv-source layer at or before them (which must have the same
 ratio) and the top-k of the nearest index-source layer; the candidate source (a ratio-1 kv and index source)
-restricts the index sources after it. The model itself is not implemented yet (issue 11).
+restricts the index sources after it. `read_config` tells a model directory's family (V4 or V4.1).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from deepinfer.config import ROPE_TYPES, RopeConfig
+from deepinfer.config import ROPE_TYPES, ModelConfig, RopeConfig
 from deepinfer.errors import ConfigError
 
 RATIOS = (0, 1, 2)
@@ -26,8 +28,9 @@ _ALIASES = {
     "sliding_window": "window_size", "kv_source_layer_ids": "kv_source_layers",
     "index_source_layer_ids": "index_source_layers", "candidate_source_layer_id": "candidate_source_layer",
     "engram_pad_token_id": "engram_pad_id", "num_nextn_predict_layers": "n_mtp_layers",
-    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts", "max_position_embeddings": "max_seq_len",
 }
+RELEASED_MAX_POSITIONS = 1048576  # max_position_embeddings of the released V4.1-Flash, when a config omits it
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class V41Config:
     num_nextn_predict_layers: int
     image_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int  # HF max_position_embeddings, DeepSeek's max_seq_len
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def kv_source(self, layer: int) -> int | None:
@@ -266,5 +270,24 @@ def parse(raw: dict[str, Any], source: str = "config") -> V41Config:
         hc_sinkhorn_iters=get("hc_sinkhorn_iters", int, 20, minimum=1), hc_eps=get("hc_eps", float, 1e-6, minimum=0.0),
         rope_main=main, rope_compress=compress, engram=engram, dspark=dspark, num_nextn_predict_layers=drafts,
         image_token_id=image if isinstance(image, int) else None,
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,), raw=dict(raw),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        max_position_embeddings=get("max_seq_len", int, RELEASED_MAX_POSITIONS, minimum=2), raw=dict(raw),
     )
+
+
+def is_v41(raw: dict[str, Any]) -> bool:
+    """A V4.1 config: HF `model_type deepseek_v41`, or DeepSeek's inference spelling (no model_type, the V4.1
+    layer wiring `kv_source_layers`)."""
+    return raw.get("model_type") == "deepseek_v41" or ("model_type" not in raw and "kv_source_layers" in raw)
+
+
+def read_config(model_dir: str | Path) -> ModelConfig | V41Config:
+    """A model directory's config, V4 or V4.1 (a missing or unreadable config.json: V4's error naming it)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = None
+    if isinstance(raw, dict) and is_v41(raw):
+        return parse(raw, str(path))
+    return ModelConfig.from_model_dir(model_dir)

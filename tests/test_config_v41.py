@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from deepinfer.config import ModelConfig
-from deepinfer.config_v41 import V41Config
+from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.errors import ConfigError
 
 RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
@@ -97,5 +97,20 @@ def test_bad_configs_are_named(raw, match):
 
 
 def test_the_v4_path_names_v41_instead_of_rejecting_it_blindly():
-    with pytest.raises(ConfigError, match="DeepSeek-V4.1.*does not run yet"):
+    with pytest.raises(ConfigError, match="a DeepSeek-V4.1 config, not a V4 one; this path reads V4 "
+                                          "configs only"):
         ModelConfig.from_dict(HF)
+
+
+def test_read_config_tells_the_family(tmp_path):
+    import json
+
+    from tests.helpers import TINY_A
+
+    for name, raw, kind in (("hf", HF, V41Config), ("inference", INFERENCE, V41Config), ("v4", TINY_A, ModelConfig)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+        assert type(read_config(tmp_path / name)) is kind
+    assert read_config(tmp_path / "hf").max_position_embeddings == 1048576
+    with pytest.raises(ConfigError, match="has no config.json"):
+        read_config(tmp_path)

@@ -1,5 +1,6 @@
-"""The generation loop: the scheduler picks each step, prefill runs eagerly, decode runs through the decode
-graphs; sampled tokens are appended and finished requests release their cache."""
+"""The generation loop: the scheduler picks each step, the model runs it through `ModelSteps` (prefill chunks,
+decode batches: DeepSeek-V4 or V4.1 alike); sampled tokens are appended and finished requests release their
+cache."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ from typing import Callable
 
 import torch
 
-from deepinfer.runtime.cache import PagedCache
-from deepinfer.model.model import DeepseekV4
+from deepinfer.runtime.blocks import SlotBlocks
 from deepinfer.runtime.request import Request, RequestOutput
-from deepinfer.runtime.graph import DecodeGraphs
 from deepinfer.runtime.sampler import Features, History, PenaltyState, SamplerGraphs, pack, select_tokens
 from deepinfer.runtime.scheduler import DecodeStep, PrefillStep, Scheduler, SchedulerConfig
+from deepinfer.runtime.steps import ModelSteps
 from deepinfer.serving.structured import Grammars, apply_masks
 
 
@@ -32,16 +32,25 @@ class RunStats:
 
 
 class Engine:
-    def __init__(self, model: DeepseekV4, cache: PagedCache, config: SchedulerConfig, graphs: DecodeGraphs,
+    def __init__(self, steps: ModelSteps, cache: SlotBlocks, config: SchedulerConfig,
                  grammars: Grammars | None = None, max_len: int | None = None):
         """`max_len`: the longest sequence, prompt and output (default: what the model and cache allow)."""
-        self.model, self.cache, self.config, self.graphs, self.grammars = model, cache, config, graphs, grammars
-        self.eos = frozenset(model.cfg.eos_token_ids)
-        self.max_len = min(model.cfg.max_position_embeddings, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
-        self.penalties = PenaltyState(cache.spec.max_seqs, model.cfg.vocab_size, model.device)
+        self.steps, self.cache, self.config, self.grammars = steps, cache, config, grammars
+        self.eos = frozenset(steps.eos_token_ids)
+        self.max_len = min(steps.max_positions, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
+        self.penalties = PenaltyState(cache.spec.max_seqs, steps.vocab_size, steps.device)
         # where decode steps replay graphs, their sampling replays one too
-        self.sampler = (SamplerGraphs(self.penalties, model.cfg.vocab_size, cache.scratch_slot, graphs.capture)
-                        if graphs.capture is not None else None)
+        self.sampler = (SamplerGraphs(self.penalties, steps.vocab_size, cache.scratch_slot, steps.capture)
+                        if steps.capture is not None else None)
+
+    @property
+    def graphs(self):
+        """DeepSeek-V4's decode graphs (swappable: tests run the same engine eagerly and captured)."""
+        return self.steps.graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.steps.graphs = graphs
 
     @torch.inference_mode()
     def run(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None,
@@ -85,11 +94,7 @@ class Engine:
                 logit_rows.append(offset - 1)
                 sampling.append(r)
         begin = time.perf_counter()
-        device = self.model.device
-        logits = self.model.prefill(
-            self.cache, torch.tensor(ids, device=device), torch.tensor(positions, device=device), seqs,
-            torch.tensor(logit_rows, dtype=torch.long, device=device),
-        )
+        logits = self.steps.prefill(ids, positions, seqs, logit_rows)
         if sampling:
             self._sample_and_append(sampling, logits, stats)
         stats.prefill_seconds += time.perf_counter() - begin
@@ -102,10 +107,8 @@ class Engine:
         if not reqs:
             return
         begin = time.perf_counter()
-        logits = self.graphs.run([r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
-                                 [r.cache for r in reqs])
-        for r in reqs:
-            r.cache.num_tokens += 1
+        logits = self.steps.decode([r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
+                                   [r.cache for r in reqs])
         self._sample_and_append(reqs, logits, stats, decode=True)
         stats.decode_seconds += time.perf_counter() - begin
         stats.decode_steps += 1
@@ -148,7 +151,7 @@ class Engine:
             self.penalties.prepare(slots, reqs, [History(r.prompt_ids, r.generated) if r.params.penalized else None
                                                  for r in reqs])
         if graph:
-            return self.sampler.run(self.graphs.last_logits, len(reqs), params, seeds, positions, slots)
+            return self.sampler.run(self.steps.last_logits, len(reqs), params, seeds, positions, slots)
         device = logits.device
         seen = index = None
         if features.penalties:

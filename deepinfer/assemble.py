@@ -1,0 +1,194 @@
+"""A model directory (or the embedded tiny model) and the engine options -> the model, its cache and the
+`ModelSteps` the engine drives: `assemble_v4` for DeepSeek-V4 (paged cache, decode graphs, kernels where the
+backend has them), `assemble_v41` for DeepSeek-V4.1 (the CPU reference path, per-slot dense caches)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import backends
+from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
+from deepinfer.env import Env, check_writable_dir
+from deepinfer.errors import ConfigError
+from deepinfer.options import cache_spec, fit_check, host_memory, tiny_weight_bytes
+from deepinfer.runtime.backend import Backend
+from deepinfer.runtime.cache import CacheLayout, PagedCache
+from deepinfer.runtime.steps import ModelSteps
+
+log = logging.getLogger("deepinfer")
+GIB = 2**30
+V41_NEW_OPS = ("hc_mixes", "hc_collapse", "fp4_act_qdq", "candidate_blocks", "engram_lookup", "engram_gate")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_num_seqs: int
+    max_model_len: int | None
+    num_blocks: int | None
+    gpu_memory_utilization: float
+    random_seed: int
+    quantization: str  # auto | none
+    show_progress: bool
+
+
+@dataclass(frozen=True)
+class Assembled:
+    model: Any  # DeepseekV4 | DeepseekV41
+    cache: Any  # PagedCache | V41SlotCache (both SlotBlocks)
+    steps: ModelSteps
+    weight_bytes: int
+    memory_report: str
+    mtp_tensors: dict[str, Any] = field(default_factory=dict)
+
+
+def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, weights: int, cache_bytes) -> None:
+    """ConfigError before anything large is allocated when weights and cache exceed the memory available."""
+    memory = backend.memory()
+    where = "host memory available" if memory is None else "the device's free memory"
+    cache_need, cache_desc = 0, ""
+    if opts.num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
+        probe = cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
+                           opts.gpu_memory_utilization)
+        cache_need = cache_bytes(probe)
+        cache_desc = (f" (num_blocks={probe.num_blocks} blocks of {probe.block_tokens} positions, "
+                      f"max_num_seqs={probe.max_seqs} slots)")
+    hints = ["lower --max-num-seqs, --max-model-len or --num-blocks"]
+    if opts.quantization == "none" and cfg.raw.get("quantization_config"):
+        hints.insert(0, "keep the checkpoint's FP8/FP4 weights with --quantization auto")
+    hints.append("a model larger than one device needs several (expert parallelism: not supported yet)")
+    fit_check(weights, cache_need, host_memory() if memory is None else memory[0], where, hints, cache_desc)
+
+
+def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtype: torch.dtype, env: Env,
+                opts: EngineOptions) -> Assembled:
+    from deepinfer.compile.prebuild import prebuild
+    from deepinfer.model.model import DeepseekV4
+    from deepinfer.model.weights import ModelWeights, tensor_specs
+    from deepinfer.runtime.graph import DecodeGraphs
+    from deepinfer.runtime.steps import V4Steps
+    from deepinfer.weights.loader import weight_bytes
+
+    # quantized checkpoint tensors stay FP8 / FP4 on every backend with `auto` (the kernels read them as stored;
+    # the reference ops dequantize one tensor at a time); `none` dequantizes them at load
+    keep = opts.quantization == "auto"
+    weights_size = weight_bytes(model_dir, cfg, dtype, keep) if model_dir is not None else tiny_weight_bytes(cfg, dtype)
+    _fit(cfg, dtype, backend, opts, weights_size, lambda spec: CacheLayout.build(cfg, spec, dtype).nbytes)
+    if backend.kernel_target is not None:
+        check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
+    mtp: dict[str, Any] = {}
+    if model_dir is None:
+        from deepinfer.tiny import random_tensors
+
+        tensors = random_tensors(cfg, seed=opts.random_seed, dtype=dtype)
+    else:
+        from deepinfer.weights.loader import load_checkpoint
+
+        bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
+        # each tensor goes to the device as soon as it is read: the host holds one tensor at a time
+        ckpt = load_checkpoint(model_dir, cfg, dtype, backend.device, progress=None if bar is None else bar.update,
+                               keep_quantized=keep)
+        if bar is not None:
+            bar.close()
+        tensors, mtp = ckpt.tensors, ckpt.mtp
+        if mtp:
+            log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(mtp))
+    if backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
+        prebuild(backend.kernel_target, cfg, str(dtype).removeprefix("torch."), env.cache_dir, opts.show_progress,
+                 quantized=keep)
+    device = backend.device
+    model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()}), backend.ops)
+    cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
+                                       opts.num_blocks, opts.gpu_memory_utilization), dtype, device)
+    report = (f"memory on {device}: weights {weights_size / GIB:.2f} GiB"
+              + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
+              + f", cache {cache.num_bytes() / GIB:.2f} GiB")
+    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs, backend.capture))
+    return Assembled(model, cache, steps, weights_size, report, mtp)
+
+
+def check_v41_backend(name: str | None) -> None:
+    """ConfigError when the `--backend` name (or DEEPINFER_ACCELERATOR) picks a target with kernels: V4.1 runs on
+    the CPU reference path only (checked before the target is resolved, so it is the error on any machine)."""
+    if name is not None and name not in backends.BACKEND_NAMES:
+        return  # an unknown name: the backend's own resolution names the accepted ones
+    names = backends.ALIASES.get(name, (name,)) if name is not None else (backends.detect().name,)
+    if any(backends.get(n).kernels for n in names):
+        raise ConfigError(f"backend {name or names[0]!r}: DeepSeek-V4.1 runs on the CPU reference path only "
+                          f"(--backend cpu) for now; a kernel backend needs TileLang kernels for V4.1's new ops "
+                          f"({', '.join(V41_NEW_OPS)}), the paged cache of its shared compressed latents and decode "
+                          "graphs, which are not built yet")
+
+
+def engram_hasher(cfg: V41Config, tokenizer_path: Path):
+    """The Engram n-gram hasher from the tokenizer's class map (None without Engram layers); ConfigError when
+    the tokenizer's class count is not the config's `engram_compressed_vocab_size`."""
+    if cfg.engram is None:
+        return None
+    from tokenizers import Tokenizer
+
+    from deepinfer.model.engram_hash import from_classes, token_classes
+
+    e = cfg.engram
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    classes, count = token_classes(tokenizer)
+    if count != e.compressed_vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer_path} gives {count} Engram token classes; the V4.1 config "
+                          f"declares engram_compressed_vocab_size {e.compressed_vocab_size}: the Engram tables are "
+                          "indexed by the model's own tokenizer (put its tokenizer.json in the model directory, or "
+                          "pass tokenizer=...)")
+    if e.pad_id >= len(classes):
+        raise ConfigError(f"engram_pad_id {e.pad_id} is outside the tokenizer's {len(classes)} token ids")
+    return from_classes(e.layer_ids, e.max_ngram, e.n_heads, e.vocab_size, e.pad_id, classes)
+
+
+def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype) -> int:
+    """Bytes of the loaded V4.1 weights (dense ones dequantized to `dtype`, Engram tables kept FP8)."""
+    from deepinfer.model.v41_weights import TABLE, tensor_specs
+    from deepinfer.model.weights import FP32
+
+    size = {FP32: 4, TABLE: 1}
+    model = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(s.shape) * size.get(s.kind, model) for s in tensor_specs(cfg).values())
+
+
+def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend: Backend, dtype: torch.dtype,
+                 opts: EngineOptions) -> Assembled:
+    from deepinfer.model.v41 import DeepseekV41
+    from deepinfer.model.v41_cache import V41Cache
+    from deepinfer.model.v41_weights import V41Weights
+    from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps, dense_tensors
+    from deepinfer.weights.v41_loader import load_v41
+
+    if backend.kernel_target is not None:  # check_v41_backend ran first; this guards a direct call
+        raise ConfigError(f"backend {backend.name!r}: DeepSeek-V4.1 runs on the CPU reference path only "
+                          "(--backend cpu)")
+    hasher = engram_hasher(cfg, tokenizer_path)
+    weights_size = v41_weight_bytes(cfg, dtype)
+
+    def cache_bytes(spec) -> int:
+        meta = V41Cache.empty(cfg, spec.max_seqs, spec.max_tokens, dtype, "meta")
+        return sum(t.numel() * t.element_size() for t in dense_tensors(meta))
+
+    _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
+    ckpt = load_v41(model_dir, cfg, dtype, backend.device)
+    model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
+    cache = V41SlotCache(cfg, cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
+                                         opts.gpu_memory_utilization), dtype, backend.device)
+    report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB (dense ones dequantized), "
+              f"cache {cache.num_bytes() / GIB:.2f} GiB (V4.1: dense per slot)")
+    return Assembled(model, cache, V41Steps(model, cache), weights_size, report)
+
+
+def progress_bar(enabled: bool, desc: str, total: int | None = None):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req" if desc == "requests" else "tensor", leave=False, dynamic_ncols=True)

@@ -1,0 +1,70 @@
+"""What the engine needs from a model: `ModelSteps`, the one interface both DeepSeek-V4 and V4.1 are driven
+through (the cache side is `SlotBlocks`: admit, grow, release).
+
+- `prefill(ids, positions, seqs, logit_rows)`: chunks of one or more sequences in one forward; `seqs` lists
+  (sequence, first row, rows) of the flat ids/positions, each chunk continuing its sequence at its token count.
+  Returns fp32 logits of `logit_rows`; advances each sequence's token count.
+- `decode(ids, positions, seqs)`: one token per sequence; fp32 logits [n, V]; advances the token counts.
+- `capture`: the decode-graph capture the sampler may share (None: eager), `last_logits`: the bucket-sized
+  logits buffer of the last replayed decode step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from deepinfer.model.model import DeepseekV4
+from deepinfer.runtime.blocks import SeqCache
+from deepinfer.runtime.cache import PagedCache
+from deepinfer.runtime.graph import DecodeGraphs
+
+Chunks = list[tuple[SeqCache, int, int]]
+
+
+class ModelSteps(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_positions: int
+    device: torch.device
+
+    @property
+    def capture(self) -> Callable[[Callable[[], Any]], tuple[Any, Callable[[], Any]]] | None: ...
+
+    @property
+    def last_logits(self) -> torch.Tensor | None: ...
+
+    def prefill(self, ids: list[int], positions: list[int], seqs: Chunks, logit_rows: list[int]) -> torch.Tensor: ...
+
+    def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor: ...
+
+
+class V4Steps:
+    """DeepSeek-V4: prefill eagerly over the paged cache, decode through the decode graphs."""
+
+    def __init__(self, model: DeepseekV4, cache: PagedCache, graphs: DecodeGraphs):
+        self.model, self.cache, self.graphs = model, cache, graphs
+        cfg = model.cfg
+        self.vocab_size, self.eos_token_ids, self.max_positions = (cfg.vocab_size, tuple(cfg.eos_token_ids),
+                                                                   cfg.max_position_embeddings)
+        self.device = model.device
+
+    @property
+    def capture(self):
+        return self.graphs.capture
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        return self.graphs.last_logits
+
+    def prefill(self, ids: list[int], positions: list[int], seqs: Chunks, logit_rows: list[int]) -> torch.Tensor:
+        device = self.device
+        return self.model.prefill(self.cache, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                  seqs, torch.tensor(logit_rows, dtype=torch.long, device=device))
+
+    def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
+        logits = self.graphs.run(ids, positions, seqs)
+        for s in seqs:
+            s.num_tokens += 1
+        return logits

@@ -1,0 +1,77 @@
+"""DeepSeek-V4.1 behind the engine's `ModelSteps`: its per-slot dense cache (`V41Cache`) with the scheduler's
+slot and block accounting on top, and prefill chunks / decode batches as `DeepseekV41.forward` chunks.
+
+The blocks are counted, not stored: every slot holds dense tensors for `spec.max_tokens` positions, so blocks
+only bound what the scheduler admits (a smaller `num_blocks` preempts as it does for V4). The paged layout of
+V4.1's shared compressed caches and FP4 latents is later work. Decode runs eagerly (no decode graphs yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.config_v41 import V41Config
+from deepinfer.model.v41 import DeepseekV41
+from deepinfer.model.v41_cache import V41Cache
+from deepinfer.model.v41_compress import Chunk
+from deepinfer.runtime.blocks import SeqCache, SlotBlocks
+from deepinfer.runtime.cache_layout import CacheSpec
+
+
+class V41SlotCache(SlotBlocks):
+    def __init__(self, cfg: V41Config, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str):
+        super().__init__(spec)
+        self.dense = V41Cache.empty(cfg, spec.max_seqs, spec.max_tokens, dtype, device)
+
+    def admit(self) -> SeqCache | None:
+        seq = super().admit()
+        if seq is not None:  # a reused slot: every read is bounded by the token count, so this resets it
+            self.dense.num_tokens[seq.slot] = 0
+        return seq
+
+    def tensors(self) -> list[torch.Tensor]:
+        return dense_tensors(self.dense)
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def dense_tensors(cache: V41Cache) -> list[torch.Tensor]:
+    """Every tensor of a V4.1 cache."""
+    out = [*cache.windows, cache.classes]
+    for state in cache.compressed.values():
+        out += [t for t in (state.latents, state.keys, state.partial_kv, state.partial_score) if t is not None]
+    return out
+
+
+class V41Steps:
+    capture = None  # no decode graphs for V4.1 yet: steps run eagerly
+    last_logits = None
+
+    def __init__(self, model: DeepseekV41, cache: V41SlotCache):
+        cfg = model.cfg
+        self.model, self.cache = model, cache
+        self.vocab_size, self.eos_token_ids, self.max_positions = (cfg.vocab_size, tuple(cfg.eos_token_ids),
+                                                                   cfg.max_position_embeddings)
+        self.device = model.weights.embed.device
+
+    def prefill(self, ids: list[int], positions: list[int], seqs: list[tuple[SeqCache, int, int]],
+                logit_rows: list[int]) -> torch.Tensor:
+        for seq, start, _ in seqs:
+            if positions[start] != seq.num_tokens:
+                raise AssertionError(f"chunk starts at {positions[start]} but the sequence holds {seq.num_tokens}")
+        chunks = [Chunk(seq.slot, start, length, seq.num_tokens) for seq, start, length in seqs]
+        logits = self.model.forward(self.cache.dense, torch.tensor(ids, device=self.device), chunks,
+                                    torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+        for seq, _, length in seqs:
+            seq.num_tokens += length
+        return logits
+
+    def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
+        if positions != [s.num_tokens for s in seqs]:
+            raise AssertionError(f"decode positions {positions} differ from the sequences' token counts")
+        chunks = [Chunk(seq.slot, i, 1, seq.num_tokens) for i, seq in enumerate(seqs)]
+        logits = self.model.forward(self.cache.dense, torch.tensor(ids, device=self.device), chunks)
+        for seq in seqs:
+            seq.num_tokens += 1
+        return logits
