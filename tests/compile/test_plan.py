@@ -15,7 +15,7 @@ from deepinfer.compile.plan import kernel_plan, trace
 from deepinfer.config import ModelConfig
 from tilekernels.kernels import Recorder
 from tilekernels.op import OpTable
-from tilekernels.ops import DECLARED
+from tilekernels.ops import DECLARED, V41_OPS
 
 FLASH = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "v4-flash.json"
 
@@ -85,5 +85,5 @@ def test_plan_covers_the_v4_flash_config_at_any_batch(dtype, quantized):
 
 def test_the_two_checkpoint_kinds_use_every_declared_kernel():
     used = {(op, kernel) for q in (False, True) for op, kernel, _ in kernel_plan(flash_config(q), "bfloat16")}
-    assert used == {(name, k.name) for name, op in DECLARED.items() for k in op.kernels}
+    assert used == {(name, k.name) for name, op in DECLARED.items() for k in op.kernels if name not in V41_OPS}
     assert not any(k == "gemm_fp8" for _, k, _ in kernel_plan(flash_config(True), "bfloat16", quantized=False))

@@ -12,8 +12,9 @@ import torch
 import backends
 from codegen import Compiler
 from tilekernels.kernels import request
-from tilekernels.ops import (DECLARED, act_quant, hc_post, hc_pre, linear, linear_fp8, moe_experts, moe_gate, rms_norm,
-                             rope, sparse_attention, swiglu)
+from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, engram_gate, engram_lookup, fp4_act_qdq, hc_collapse,
+                             hc_mixes, hc_post, hc_pre, linear, linear_fp8, moe_experts, moe_gate, rms_norm, rope,
+                             sparse_attention, swiglu)
 
 # One bf16 variant per kernel, at V4-Flash widths.
 CASES = {
@@ -30,6 +31,13 @@ CASES = {
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
+    # V4.1's own, at V4.1 widths (odd widths: tests/tilekernels/test_v41_kernels.py on the c target)
+    ("hc_mixes", "hc_mixes"): hc_mixes.Variant(4, 5120, 20, "bfloat16"),
+    ("hc_collapse", "hc_collapse"): hc_collapse.Variant(4, 5120, "bfloat16"),
+    ("fp4_act_qdq", "fp4_act_qdq"): fp4_act_qdq.Variant(512, 16, "e4m3", "bfloat16"),
+    ("candidate_blocks", "candidate_blocks"): candidate_blocks.Variant(8, 2048),
+    ("engram_gate", "engram_gate"): engram_gate.Variant(4, 5120, "bfloat16"),
+    ("engram_lookup", "engram_lookup"): engram_lookup.Variant(256, 32, "ue8m0", "fp8"),
 }
 
 # Widths of small configs that no thread count or chunk divides (the bodies pad and mask them; attention's

@@ -28,4 +28,7 @@ OP_MODULES = (
     "swiglu",
 )
 
+# Ops only DeepSeek-V4.1 models launch (V4's plans use every other kernel; V4.1's single-pass mHC splits hc_pre)
+V41_OPS = ("candidate_blocks", "engram_gate", "engram_lookup", "fp4_act_qdq", "hc_collapse", "hc_mixes")
+
 DECLARED = {decl.name: decl for decl in (importlib.import_module(f"{__name__}.{m}").OP for m in OP_MODULES)}

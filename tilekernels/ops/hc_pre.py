@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl
 from tilekernels.ops import hc_collapse, hc_mixes
 
 
@@ -41,131 +41,7 @@ class Config:
 
 
 def body(P, v: Variant, cfg: Config):
-    T = P.T
-    N, H, dtype = v.hc, v.hidden, v.dtype
-    KN, MIX = N * H, (2 + N) * N
-    BC = min(cfg.chunk, P.padded(KN, cfg.threads))  # stream columns per step, a multiple of the threads
-    NC = -(-KN // BC)
-    RAGGED = KN % BC != 0  # the last chunk is partial: loads masked to 0 (adds nothing to the sums)
-    BH = min(cfg.chunk, H)  # collapse columns per step; a partial last step stores predicated
-    NH = -(-H // BH)
-    M = T.dynamic("M")
-
-    def stream(s_io, c, j):  # stream column c*BC + j in fp32, 0 past the end
-        if not RAGGED:
-            return T.cast(s_io[c * BC + j], "float32")
-        return T.if_then_else(c * BC + j < KN, T.cast(s_io[T.min(c * BC + j, KN - 1)], "float32"), 0.0)
-
-    def row_max(mix, scale, base, i):
-        logit = [mix[2 * N + i * N + j] * scale[2] + base[2 * N + i * N + j] for j in range(N)]
-        best = logit[0]
-        for x in logit[1:]:
-            best = T.max(best, x)
-        return best
-
-    def row_sum(c, i):
-        total = c[i * N]
-        for j in range(1, N):
-            total = total + c[i * N + j]
-        return total
-
-    def col_sum(c, j):
-        total = c[j]
-        for i in range(1, N):
-            total = total + c[i * N + j]
-        return total
-
-    def collapse(pre, s, h):
-        total = pre[0] * T.cast(s[h], "float32")
-        for n in range(1, N):
-            total = total + pre[n] * T.cast(s[n * H + h], "float32")
-        return total
-
-    @T.prim_func
-    def kernel(S: T.Tensor((M, KN), dtype), Fn: T.Tensor((MIX, KN), "float32"), Base: T.Tensor((MIX,), "float32"),
-               Scale: T.Tensor((3,), "float32"), Post: T.Tensor((M, N), "float32"), Comb: T.Tensor((M, N * N), "float32"),
-               Out: T.Tensor((M, H), dtype), hc_eps: T.float32, norm_eps: T.float32):
-        with P.kernel(M, cfg.threads) as pid:
-            s_io = P.alloc_io((KN,), dtype)
-            f_io = P.alloc_io((MIX, BC), "float32")
-            mix_io = P.alloc_io((MIX,), "float32")
-            pre_io = P.alloc_io((N,), "float32")
-            post_io = P.alloc_io((N,), "float32")
-            comb_io = P.alloc_io((N * N,), "float32")
-            red_io = P.alloc_io((N,), "float32")
-            o_io = P.alloc_io((BH,), dtype)
-            acc = P.alloc_vec((MIX,), "float32")
-            ss = P.alloc_vec((1,), "float32")
-            for row in P.tiles(M, pid):
-                T.copy(S[row, 0:KN], s_io)
-                with P.vector(cfg.threads):
-                    for o in T.Parallel(MIX):
-                        acc[o] = 0.0
-                    ss[0] = 0.0
-                for c in T.serial(NC):
-                    if RAGGED:
-                        with P.vector(cfg.threads):
-                            for o, j in T.Parallel(MIX, BC):
-                                f_io[o, j] = T.if_then_else(c * BC + j < KN, Fn[o, T.min(c * BC + j, KN - 1)], 0.0)
-                    else:
-                        T.copy(Fn[0:MIX, c * BC : (c + 1) * BC], f_io)
-                    with P.vector(cfg.threads):
-                        prod = P.alloc_reg((MIX, BC), "float32")
-                        part = P.alloc_reg((MIX,), "float32")
-                        sq = P.alloc_reg((BC,), "float32")
-                        tot = P.alloc_reg((1,), "float32")
-                        for o, j in T.Parallel(MIX, BC):
-                            prod[o, j] = f_io[o, j] * stream(s_io, c, j)
-                        T.reduce_sum(prod, part, dim=1)
-                        for j in T.Parallel(BC):
-                            sq[j] = stream(s_io, c, j) * stream(s_io, c, j)
-                        T.reduce_sum(sq, tot, dim=0)
-                        for o in T.Parallel(MIX):
-                            acc[o] = acc[o] + part[o]
-                        ss[0] = ss[0] + tot[0]
-                with P.vector(cfg.threads):
-                    for o in T.Parallel(MIX):
-                        mix_io[o] = acc[o] * T.rsqrt(ss[0] / KN + norm_eps)
-                with P.vector(cfg.threads):
-                    for i in T.Parallel(N):
-                        pre_io[i] = 1.0 / (1.0 + T.exp(-(mix_io[i] * Scale[0] + Base[i]))) + hc_eps
-                        post_io[i] = 2.0 / (1.0 + T.exp(-(mix_io[N + i] * Scale[1] + Base[N + i])))
-                    for i in T.Parallel(N):  # row softmax of the comb logits
-                        red_io[i] = row_max(mix_io, Scale, Base, i)
-                    for i, j in T.Parallel(N, N):
-                        comb_io[i * N + j] = T.exp(mix_io[2 * N + i * N + j] * Scale[2] + Base[2 * N + i * N + j] - red_io[i])
-                    for i in T.Parallel(N):
-                        red_io[i] = row_sum(comb_io, i)
-                    for i, j in T.Parallel(N, N):
-                        comb_io[i * N + j] = comb_io[i * N + j] / red_io[i] + hc_eps
-                    for j in T.Parallel(N):
-                        red_io[j] = col_sum(comb_io, j)
-                    for i, j in T.Parallel(N, N):
-                        comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
-                    for _ in T.serial(v.iters - 1):  # Sinkhorn-Knopp: rows, then columns
-                        for i in T.Parallel(N):
-                            red_io[i] = row_sum(comb_io, i)
-                        for i, j in T.Parallel(N, N):
-                            comb_io[i * N + j] = comb_io[i * N + j] / (red_io[i] + hc_eps)
-                        for j in T.Parallel(N):
-                            red_io[j] = col_sum(comb_io, j)
-                        for i, j in T.Parallel(N, N):
-                            comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
-                T.copy(post_io, Post[row, 0:N])
-                T.copy(comb_io, Comb[row, 0 : N * N])
-                for hb in T.serial(NH):
-                    if H % BH == 0:
-                        with P.vector(cfg.threads):
-                            for j in T.Parallel(BH):
-                                o_io[j] = T.cast(collapse(pre_io, s_io, hb * BH + j), dtype)
-                        T.copy(o_io, Out[row, hb * BH : (hb + 1) * BH])
-                    else:
-                        with P.vector(cfg.threads):
-                            for j in T.Parallel(BH):
-                                if hb * BH + j < H:
-                                    Out[row, hb * BH + j] = T.cast(collapse(pre_io, s_io, hb * BH + j), dtype)
-
-    return kernel
+    return hc_mixes.mixes_body(P, v, cfg, collapse=True)  # the mixes kernel, storing the collapse instead of pre
 
 
 KERNEL = Kernel("hc_pre", body, configs={"default": Config(), "c": Config(chunk=64, threads=1)})
@@ -180,9 +56,7 @@ def variant(streams: torch.Tensor, sinkhorn_iters: int) -> Variant:
 def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     m, n, h = streams.shape
     v = variant(streams, sinkhorn_iters)
-    mix = (2 + n) * n
-    require(fn.shape == (mix, n * h) and base.shape == (mix,) and scale.shape == (3,), "hc_pre",
-            f"fn/base/scale must be [{mix}, {n * h}]/[{mix}]/[3], got {list(fn.shape)}/{list(base.shape)}/{list(scale.shape)}")
+    hc_mixes.check("hc_pre", streams, fn, base, scale, sinkhorn_iters)
     post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
     out = torch.empty(m, h, dtype=streams.dtype, device=streams.device)
