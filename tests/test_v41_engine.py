@@ -93,6 +93,12 @@ def test_cli_runs_offline_on_a_v41_directory(path):
     assert "V4.1 encoding" in result.stderr and "backend reference" in result.stderr
 
 
+def test_compile_names_a_v41_directory_instead_of_planning_v4_kernels(path, tmp_path):
+    result = CliRunner().invoke(main, ["compile", "--target", "c", "--model", str(path), "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "is a DeepSeek-V4.1 model" in result.output, result.output
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_kernel_backends_are_refused_naming_what_is_missing(path):
     with pytest.raises(ConfigError, match=r"backend 'nvidia': DeepSeek-V4.1 runs on the CPU reference path only "
                                           r"\(--backend cpu\).*engram_lookup.*decode graphs"):

@@ -50,6 +50,13 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized:
     from deepinfer.env import check_writable_dir
     from deepinfer.tiny import tiny_config
 
+    if model_dir:
+        from deepinfer.config_v41 import V41Config, read_config
+
+        if isinstance(read_config(model_dir), V41Config):
+            raise ConfigError(f"{model_dir} is a DeepSeek-V4.1 model: `deepinfer compile` has no V4.1 kernel plan "
+                              "yet (V4.1 runs on the CPU reference path; its ops' kernels are built and checked "
+                              "per op, the engine does not launch them yet); it compiles DeepSeek-V4 models")
     cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
     check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
