@@ -161,8 +161,6 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Read every tensor `cfg` needs from `model_dir`, cast (fp32 for norms/mHC/sinks/biases); FP8 / FP4 tensors
     are dequantized to `dtype`, or with `keep_quantized` kept in their own precision (`BlockQuantized`)."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     specs = tensor_specs(cfg)
@@ -185,16 +183,7 @@ def load_checkpoint(
         raise WeightsError(f"{model_dir}: the checkpoint lacks {len(missing)} tensor(s) the config requires: {shown}")
 
     block = tuple((cfg.raw.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK)
-    handles: dict[Path, object] = {}
-
-    def read(key: str) -> torch.Tensor:
-        path = files[key]
-        try:
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            return handles[path].get_tensor(key)
-        except Exception as exc:  # safetensors' own error types: a damaged file, an unknown dtype
-            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
+    read = ShardReader(files)
 
     for name, sources in plan.items():
         spec = specs[name]
@@ -211,7 +200,7 @@ def load_checkpoint(
         ckpt.tensors[name] = tensor.to(device)
         if progress is not None:
             progress(1)
-    handles.clear()
+    read.close()
     if ckpt.ignored:
         log.warning("ignored %d checkpoint tensor(s) the model does not use, e.g. %s", len(ckpt.ignored), ckpt.ignored[0])
     return ckpt
@@ -297,3 +286,25 @@ def _stack_quantized(name, parts, read, block, ckpt, expect) -> BlockQuantized |
     ckpt.quantized += len(kept)
     return BlockQuantized(torch.stack([q.values for q in per]), torch.stack([q.scales for q in per]), first.block,
                           first.format)
+
+
+class ShardReader:
+    """reader(key) -> the checkpoint tensor `key` from its shard in `files` (each shard opened once, kept open
+    until `close`); a damaged file or an unknown dtype is a WeightsError naming the tensor and the file."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files, self.handles = files, {}
+
+    def __call__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.files[key]
+        try:
+            if path not in self.handles:
+                self.handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            return self.handles[path].get_tensor(key)
+        except Exception as exc:  # safetensors' own error types: a damaged file, an unknown dtype
+            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
+
+    def close(self) -> None:
+        self.handles.clear()

@@ -24,7 +24,7 @@ from deepinfer.config_v41 import V41Config
 from deepinfer.errors import WeightsError
 from deepinfer.model.v41_weights import TABLE, tensor_specs
 from deepinfer.model.weights import FP32
-from deepinfer.weights.loader import checkpoint_files
+from deepinfer.weights.loader import ShardReader, checkpoint_files
 from deepinfer.weights.quant import as_quantized, dequantize, is_quantized
 
 log = logging.getLogger("deepinfer.weights")
@@ -47,8 +47,6 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
              device: torch.device | str = "cpu") -> V41Checkpoint:
     """Read every tensor `cfg` needs from `model_dir`; a `WeightsError` names a missing tensor, a wrong shape, a
     quantized tensor without its scale, or a scale that does not fit its weight."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     specs = tensor_specs(cfg)
@@ -71,16 +69,7 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
         raise WeightsError(f"{model_dir}: the checkpoint lacks {len(missing)} tensor(s) the V4.1 config requires: "
                            f"{shown}")
     block = tuple((cfg.raw.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK_V41)
-    handles: dict[Path, object] = {}
-
-    def read(key: str) -> torch.Tensor:
-        path = files[key]
-        try:
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            return handles[path].get_tensor(key)
-        except Exception as exc:  # safetensors' own error types: a damaged file, an unknown dtype
-            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
+    read = ShardReader(files)
 
     for name, spec in specs.items():
         key = values[name]
@@ -101,7 +90,7 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
             raise WeightsError(f"tensor {label} has shape {list(tensor.shape)}, but the V4.1 config requires "
                                f"{list(spec.shape)}")
         ckpt.tensors[name] = tensor.to(device)
-    handles.clear()
+    read.close()
     if ckpt.vision:
         log.warning("skipped %d vision tensor(s) (e.g. %s): images are not supported yet; text requests run",
                     len(ckpt.vision), ckpt.vision[0])

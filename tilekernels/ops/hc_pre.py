@@ -65,11 +65,7 @@ def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     return post, comb.view(m, n, n), out
 
 
-def example(v: Variant, rows: int, device) -> tuple:
-    mix = (2 + v.hc) * v.hc
-    streams = torch.randn(rows, v.hc, v.hidden, device=device).to(dtypes.torch_dtype(v.dtype))
-    fn = 0.02 * torch.randn(mix, v.hc * v.hidden, device=device)
-    return (streams, fn, 0.5 * torch.randn(mix, device=device), 1 + 0.1 * torch.randn(3, device=device), v.iters, 1e-6, 1e-6)
+example = hc_mixes.example  # the same arguments: streams, fn, base, scale, iterations, hc_eps, norm_eps
 
 
 OP = OpDecl(
