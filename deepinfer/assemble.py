@@ -24,6 +24,7 @@ from deepinfer.runtime.steps import ModelSteps
 
 log = logging.getLogger("deepinfer")
 GIB = 2**30
+V41_BACKENDS = ("reference", "c")  # where V4.1 runs (eager, dense per-slot caches); `cpu` names the first
 V41_NEW_OPS = ("hc_mixes", "hc_collapse", "fp4_act_qdq", "candidate_blocks", "engram_lookup", "engram_gate")
 
 
@@ -114,16 +115,17 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
 
 
 def check_v41_backend(name: str | None) -> None:
-    """ConfigError when the `--backend` name (or DEEPINFER_ACCELERATOR) picks a target with kernels: V4.1 runs on
-    the CPU reference path only (checked before the target is resolved, so it is the error on any machine)."""
+    """ConfigError when the `--backend` name (or DEEPINFER_ACCELERATOR) picks a GPU or NPU target: V4.1 runs on
+    the CPU, through the reference ops or the c target's kernels (checked before the target is resolved, so it is
+    the error on any machine)."""
     if name is not None and name not in backends.BACKEND_NAMES:
         return  # an unknown name: the backend's own resolution names the accepted ones
     names = backends.ALIASES.get(name, (name,)) if name is not None else (backends.detect().name,)
-    if any(backends.get(n).kernels for n in names):
-        raise ConfigError(f"backend {name or names[0]!r}: DeepSeek-V4.1 runs on the CPU reference path only "
-                          f"(--backend cpu) for now; a kernel backend needs TileLang kernels for V4.1's new ops "
-                          f"({', '.join(V41_NEW_OPS)}), the paged cache of its shared compressed latents and decode "
-                          "graphs, which are not built yet")
+    if any(n not in V41_BACKENDS for n in names):
+        raise ConfigError(f"backend {name or names[0]!r}: DeepSeek-V4.1 runs on the CPU for now (--backend cpu: the "
+                          f"reference ops; --backend c: its TileLang kernels); a GPU backend waits for the model run "
+                          f"through its kernels on the GPU (V4.1's own ops {', '.join(V41_NEW_OPS)} are checked there "
+                          f"one by one), the paged cache of its shared compressed latents and decode graphs")
 
 
 def engram_hasher(cfg: V41Config, tokenizer_path: Path):
@@ -166,9 +168,8 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps, dense_tensors
     from deepinfer.weights.v41_loader import load_v41
 
-    if backend.kernel_target is not None:  # check_v41_backend ran first; this guards a direct call
-        raise ConfigError(f"backend {backend.name!r}: DeepSeek-V4.1 runs on the CPU reference path only "
-                          "(--backend cpu)")
+    if backend.name not in V41_BACKENDS:  # check_v41_backend ran first; this guards a direct call
+        raise ConfigError(f"backend {backend.name!r}: DeepSeek-V4.1 runs on the backends {V41_BACKENDS} for now")
     hasher = engram_hasher(cfg, tokenizer_path)
     weights_size = v41_weight_bytes(cfg, dtype)
 

@@ -99,10 +99,23 @@ def test_compile_names_a_v41_directory_instead_of_planning_v4_kernels(path, tmp_
     assert not any(tmp_path.iterdir())  # nothing written
 
 
-def test_kernel_backends_are_refused_naming_what_is_missing(path):
-    with pytest.raises(ConfigError, match=r"backend 'nvidia': DeepSeek-V4.1 runs on the CPU reference path only "
-                                          r"\(--backend cpu\).*engram_lookup.*decode graphs"):
+def test_gpu_backends_are_refused_naming_what_is_missing(path):
+    with pytest.raises(ConfigError, match=r"backend 'nvidia': DeepSeek-V4.1 runs on the CPU for now \(--backend cpu: "
+                                          r"the reference ops; --backend c: its TileLang kernels\).*decode graphs"):
         deepinfer.LLM(path, backend="nvidia")
+
+
+def test_the_c_kernels_give_the_reference_paths_greedy_tokens(path, llm, c_kernel_cache, monkeypatch):
+    """V4.1 through its TileLang kernels (every op's portable body on the CPU `c` target, fp32) and through the
+    reference ops: the same greedy tokens where the reference's top-2 gap is clear (kernels sum in another order;
+    `GAP` is the parity tests' bound)."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(c_kernel_cache))
+    ref = fixture("a").ref
+    prompt = ref["tokens"][0, : int(ref["prompt_len"])].tolist()
+    kernels = deepinfer.LLM(path, backend="c", max_num_seqs=2)
+    want = llm.generate([{"token_ids": prompt}], greedy(6), use_tqdm=False)[0].token_ids
+    got = kernels.generate([{"token_ids": prompt}], greedy(6), use_tqdm=False)[0].token_ids
+    assert got == want
 
 
 def test_an_image_fails_alone_and_chat_needs_the_system_token(llm):

@@ -138,7 +138,10 @@ class DeepseekV41:
     def _engram(self, w: Engram41, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """h [N, hc, D] += gated Engram value; rows [N, (max_ngram - 1) * heads] table rows of each token."""
         ops, n, d = self.ops, h.shape[0], h.shape[-1]
-        kv = ops.linear(ops.engram_lookup(rows, w.table, ENGRAM_DTYPE), w.wkv).float()
+        # rows rounded to bf16 as the reference feeds them, the projection in the weights' dtype, its output rounded
+        # to bf16 as the reference's bf16 matmul gives it (the same numbers, and kernel tables need one dtype)
+        rows = ops.engram_lookup(rows, w.table, ENGRAM_DTYPE).to(w.wkv.dtype)
+        kv = ops.linear(rows, w.wkv).to(ENGRAM_DTYPE).float()
         key, value = kv.split([self.cfg.hc_mult * d, d], dim=-1)
         return ops.engram_gate(h, key.view(n, self.cfg.hc_mult, d), value, w.q_weight, w.k_weight,
                                self.cfg.rms_norm_eps)
