@@ -1,6 +1,10 @@
 """Any valid V4 shape compiles on every target: every kernel of the plans of the embedded default model, the
 TINY test configs and two odd-width configs (widths that are multiples of no tile) lowers for sm90, sm100,
-ascend and c, in the target's default dtype. (Numerics: tests/tilekernels run the odd shapes on the c target.)"""
+ascend and c, in the target's default dtype. (Numerics: tests/tilekernels run the odd shapes on the c target.)
+Ascend lowers about ten times slower than the others (3.7 of this test's 6 minutes on CI's two cores), so its
+set, and the c target's (whose kernels the tiny models also run in tests/tilekernels), leave out the TINY
+configs: the default model's widths are whole tiles, the odd configs' are ragged against every tile, and the
+TINY configs' sub-tile widths (16-64) are edges of the kinds those two already take."""
 
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ from tests.helpers import ODD_A, ODD_B, TINY_A, TINY_B
 from tilekernels.kernels import request
 
 
-def plans(dtype: str) -> list[tuple]:
+def plans(dtype: str, with_tiny: bool = True) -> list[tuple]:
     items: dict[tuple, None] = {}
-    for cfg in [tiny_config()] + [ModelConfig.from_dict(raw) for raw in (TINY_A, TINY_B, ODD_A, ODD_B)]:
+    raws = (TINY_A, TINY_B, ODD_A, ODD_B) if with_tiny else (ODD_A, ODD_B)
+    for cfg in [tiny_config()] + [ModelConfig.from_dict(raw) for raw in raws]:
         items.update(dict.fromkeys(kernel_plan(cfg, dtype)))
     return list(items)
 
@@ -45,7 +50,7 @@ def test_every_planned_kernel_lowers(name):
     import os
     from concurrent.futures import ProcessPoolExecutor
 
-    items = plans(backends.get(name).default_dtype)
+    items = plans(backends.get(name).default_dtype, with_tiny=name not in ("ascend", "c"))
     workers = max(1, min(2, os.cpu_count() or 1))  # lowering is single-threaded: use CI's two cores
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         failed = [f for part in pool.map(lower_all, [name] * workers, [items[i::workers] for i in range(workers)])
