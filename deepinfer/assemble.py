@@ -15,6 +15,7 @@ import torch
 import backends
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
+from tilekernels.ops import V41_OPS
 from deepinfer.env import Env, check_writable_dir
 from deepinfer.errors import ConfigError
 from deepinfer.options import cache_spec, fit_check, host_memory, tiny_weight_bytes
@@ -25,7 +26,6 @@ from deepinfer.runtime.steps import ModelSteps
 log = logging.getLogger("deepinfer")
 GIB = 2**30
 V41_BACKENDS = ("reference", "c")  # where V4.1 runs (eager, dense per-slot caches); `cpu` names the first
-V41_NEW_OPS = ("hc_mixes", "hc_collapse", "fp4_act_qdq", "candidate_blocks", "engram_lookup", "engram_gate")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def check_v41_backend(name: str | None) -> None:
     if any(n not in V41_BACKENDS for n in names):
         raise ConfigError(f"backend {name or names[0]!r}: DeepSeek-V4.1 runs on the CPU for now (--backend cpu: the "
                           f"reference ops; --backend c: its TileLang kernels); a GPU backend waits for the model run "
-                          f"through its kernels on the GPU (V4.1's own ops {', '.join(V41_NEW_OPS)} are checked there "
+                          f"through its kernels on the GPU (V4.1's own ops {', '.join(V41_OPS)} are checked there "
                           f"one by one), the paged cache of its shared compressed latents and decode graphs")
 
 

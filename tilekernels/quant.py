@@ -92,6 +92,10 @@ class BlockQuantized:
     def dim(self) -> int:
         return len(self.shape)
 
+    def with_exponent_bytes(self) -> BlockQuantized:
+        """The same tensor with its power-of-two scales as ue8m0 exponent bytes (the form kernels read)."""
+        return BlockQuantized(self.values, exponent_bytes(self.scales), self.block, self.format)
+
     def to(self, device: torch.device | str) -> BlockQuantized:
         return BlockQuantized(self.values.to(device), self.scales.to(device), self.block, self.format)
 

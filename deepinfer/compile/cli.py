@@ -55,8 +55,8 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized:
 
         if isinstance(read_config(model_dir), V41Config):
             raise ConfigError(f"{model_dir} is a DeepSeek-V4.1 model: `deepinfer compile` has no V4.1 kernel plan "
-                              "yet (V4.1 runs on the CPU reference path; its ops' kernels are built and checked "
-                              "per op, the engine does not launch them yet); it compiles DeepSeek-V4 models")
+                              "yet (V4.1 runs on the CPU: `--backend cpu`, or `--backend c`, whose kernels build on "
+                              "first use); it compiles DeepSeek-V4 models")
     cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
     check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype

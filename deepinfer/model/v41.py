@@ -13,6 +13,7 @@ per sequence. Routing is V4.1's: top-k on sqrtsoftplus + bias for every layer (n
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -71,7 +72,7 @@ class DeepseekV41:
     def prefill(self, cache: V41Cache, ids: torch.Tensor, slot: int) -> torch.Tensor:
         """One chunk of one sequence (its first, or a continuation: chunked prefill) -> fp32 logits [S, V] of
         every row."""
-        cache.check_room(slot, ids.shape[0])
+        cache.check_room(slot, ids.shape[0])  # names a bad slot before it is indexed
         chunk = Chunk(slot, 0, ids.shape[0], cache.num_tokens[slot])
         return self.forward(cache, ids, [chunk], logit_rows=torch.arange(ids.shape[0]))
 
@@ -88,7 +89,7 @@ class DeepseekV41:
         """ids [N] holds every chunk's rows; returns fp32 logits of `logit_rows` (default: each chunk's last row)
         and advances the sequences' token counts."""
         slots = [ch.slot for ch in chunks]
-        starts = [sum(ch.length for ch in chunks[:i]) for i in range(len(chunks))]
+        starts = list(itertools.accumulate((ch.length for ch in chunks[:-1]), initial=0))
         if [ch.start for ch in chunks] != starts or sum(ch.length for ch in chunks) != ids.shape[0]:
             raise ValueError(f"chunks (start, length) {[(ch.start, ch.length) for ch in chunks]} must cover the "
                              f"{ids.shape[0]} ids in order")

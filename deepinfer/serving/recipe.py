@@ -115,8 +115,8 @@ class Recipe:
             raise RequestError(f"DeepSeek-V4.1 chat prompts need the special token {self.missing_token}, which the "
                                f"tokenizer {self.path} does not have; use the model's own tokenizer.json (in the "
                                "model directory, or tokenizer=...)")
-        images = self.encoding.render_conversation(conversation).image_sources
-        if images:
+        images = [src for m in conversation.messages for src in (getattr(m, "image_sources", None) or ())]
+        if images:  # read off the messages: rendering the conversation twice per request is not needed for this
             raise RequestError(f"the request carries {len(images)} image(s): images are not supported yet (the "
                                "vision encoder does not run); send text only")
         return list(self.encoding.encode(conversation))

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from deepinfer.errors import WeightsError
-from tilekernels.quant import FP4_BLOCK, BlockQuantized, exponent_bytes, grid, is_exponent_bytes
+from tilekernels.quant import FP4_BLOCK, BlockQuantized, grid, is_exponent_bytes
 
 FP8_BLOCK = (128, 128)
 # Which canonical tensors a V4 checkpoint stores quantized (the rest: bf16, norms/mHC fp32)
@@ -69,7 +69,7 @@ def for_kernels(name: str, q: BlockQuantized) -> BlockQuantized:
     if not bool(((mantissa == 0.5) & (q.scales > 0)).all()):
         raise WeightsError(f"tensor {name}: FP4 scales must be powers of two (ue8m0), as DeepSeek's checkpoints "
                            f"store them; this one has others (load it with --quantization none to dequantize it)")
-    return BlockQuantized(q.values, exponent_bytes(q.scales), q.block, q.format)
+    return q.with_exponent_bytes()
 
 
 def dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,

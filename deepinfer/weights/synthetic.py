@@ -19,7 +19,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.weights.quant import EXPERTS, FP8_WEIGHTS
-from tilekernels.quant import BlockQuantized, exponent_bytes, quantize
+from tilekernels.quant import BlockQuantized, quantize
 
 _UPSTREAM = {"q_a_proj": "attn.wq_a", "q_b_proj": "attn.wq_b", "kv_proj": "attn.wkv", "o_a_proj": "attn.wo_a",
              "o_b_proj": "attn.wo_b", "gate_proj": "ffn.shared_experts.w1", "up_proj": "ffn.shared_experts.w3",
@@ -133,6 +133,5 @@ def quantize_in_memory(tensors: Mapping[str, torch.Tensor], quantization_config:
             continue
         form, block, ue8m0 = fmt
         q = quantize(out.pop(name), form, block, pow2_scales=ue8m0)
-        scales = exponent_bytes(q.scales) if ue8m0 else q.scales
-        out[name] = BlockQuantized(q.values, scales, q.block, form)
+        out[name] = q.with_exponent_bytes() if ue8m0 else q
     return out

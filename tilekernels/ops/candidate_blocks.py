@@ -6,14 +6,15 @@ The kernel (one tile per query) is the cheapest correct one, not a fast top-k: b
 order-preserving int32 keys; when more than `topk_blocks` blocks are finite, the k-th largest rank key (the
 block's key, then its index, lower first: all distinct) bit by bit, one counting pass over the blocks per bit
 (57 passes); finally the mask. Below 16K visible positions (2048 blocks of 8) every finite block is kept
-and only the maxima and the mask are computed. Ties at the k-th key go to the lower block (torch.topk in the
-reference leaves them unspecified; the tests use tie-free scores)."""
+and only the maxima and the mask are computed. Ties at the k-th key go to the lower block, in the reference too
+(`indexer_topk.top_indices`: V4.1's FP4-rounded index scores tie exactly, and a tie must not depend on chunking)."""
 
 from dataclasses import dataclass
 
 import torch
 
 from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.ops.indexer_topk import top_indices
 
 
 def reference(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
@@ -26,8 +27,8 @@ def reference(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, blo
     best = padded.view(s, blocks, block_size).amax(-1)
     newest = (visible.view(-1, 1) - 1) // block_size
     best = best.masked_fill(torch.arange(blocks, device=scores.device).view(1, -1) == newest, float("inf"))
-    top = best.topk(min(topk_blocks, blocks), dim=-1)
-    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    picks = top_indices(best, min(topk_blocks, blocks))
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, picks, best.gather(-1, picks) > float("-inf"))
     return keep.repeat_interleave(block_size, dim=-1)[:, :e]
 
 

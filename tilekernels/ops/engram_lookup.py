@@ -116,7 +116,7 @@ def run(launch, rows: torch.Tensor, table: BlockQuantized | torch.Tensor, dtype:
 def example(v: Variant, rows: int, device) -> tuple:
     """Three row ids per position (repeats included) into a table of 64 rows, FP8 values of every magnitude;
     bf16 out of an FP8 table (as V4.1 asks), the table's dtype out of a plain one."""
-    from tilekernels.quant import exponent_bytes, quantize
+    from tilekernels.quant import quantize
 
     ids = torch.randint(0, 64, (rows, 3), device=device)
     ids[0] = ids[0, 0]
@@ -126,7 +126,7 @@ def example(v: Variant, rows: int, device) -> tuple:
     table = quantize(torch.randn(64, v.dim, device=device) * torch.logspace(-3, 3, 64, device=device)[:, None], "fp8",
                      (1, v.block), pow2_scales=v.scales == "ue8m0")
     if v.scales == "ue8m0":
-        table = BlockQuantized(table.values, exponent_bytes(table.scales), table.block, "fp8")
+        table = table.with_exponent_bytes()
     return (ids, table, torch.bfloat16)
 
 

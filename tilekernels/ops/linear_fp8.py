@@ -316,5 +316,5 @@ def example_weight(v: Variant, rows_out: int, device) -> BlockQuantized:
 
     q = quantize(torch.randn(rows_out, v.k, device=device) / v.k**0.5, "fp8", v.block, pow2_scales=v.ue8m0)
     if v.ue8m0:
-        q = BlockQuantized(q.values, exponent_bytes(q.scales), q.block, "fp8")
+        q = q.with_exponent_bytes()
     return q

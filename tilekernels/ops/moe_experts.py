@@ -6,7 +6,8 @@ start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile be
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
 back per token. FP4 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles. On sm_90a every
 FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
-registers; 64-row tiles at prefill sizes); elsewhere the portable body below.
+registers; 64-row tiles at prefill sizes), on sm_100a the block-scaled MMA kernel of `moe_fp4_sm100` (built,
+never run); elsewhere the portable body below.
 
 Any N and K: tiles keep their configured sizes and are launched ceil-div; the weight is a 3-D (E, N, K) tensor
 and the rows (MT*BM, K) / outputs (MT*BM, N) are 2-D, so every ragged edge is a tensor edge that TileLang
@@ -146,8 +147,9 @@ def body_fp4(P, v: Variant, cfg: Config):
 
 
 _CPU = Config(block_n=16, block_k=16, stages=0, threads=1)
-# Decode variants (block_m 16, bf16) on sm_90a: the swapped-operand kernel of moe_fp4 (its tile is moe_fp4.TUNE; the
-# pass configs below are its, harmless for the portable body, which has no pipelined loop).
+# bf16 variants on sm_90a: the swapped-operand kernel of moe_fp4 (its tiles are moe_fp4.TUNE / PREFILL_TUNE, the
+# pass configs below theirs, harmless for the portable body, which has no pipelined loop); on sm_100a (K a
+# multiple of 128) the block-scaled MMA kernel of moe_fp4_sm100, never run (no Blackwell GPU here).
 KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, overrides=(
     Override("sm90", lambda v: v.dtype == "bfloat16", lambda P, v, cfg: moe_fp4.body_decode(P, v, cfg)),
     Override("sm100", moe_fp4_sm100.fits, moe_fp4_sm100.body),
@@ -263,8 +265,7 @@ def example(v: Variant, rows: int, device) -> tuple:
     gate_up = (torch.randn(v.experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
     down = (torch.randn(v.experts, hidden, inter, device=device) / inter**0.5).to(dtype)
     if v.fp4:  # the same weights rounded to FP4 with ue8m0 scales (exponent bytes), as checkpoints store experts
-        gate_up, down = (BlockQuantized(q.values, exponent_bytes(q.scales), q.block, q.format)
-                         for q in (quantize(gate_up, "fp4"), quantize(down, "fp4")))
+        gate_up, down = quantize(gate_up, "fp4").with_exponent_bytes(), quantize(down, "fp4").with_exponent_bytes()
     return (x, weights, indices, gate_up, down, 10.0)
 
 

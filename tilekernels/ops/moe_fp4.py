@@ -52,9 +52,10 @@ class Tune:
 
 
 TUNE = Tune()  # the default (from the sweep of benchmarks/fp4_experts.py)
-# Prefill sizes (64-row tiles, wgmma n64): the same kernel with a shallower K step, so that two CTAs' staging
-# (64-row activation tiles) still fit an SM. The portable body it replaces ran at ~20 TFLOP/s at 4096 tokens.
-PREFILL_TUNE = Tune(block_k=128, stages=3, min_blocks=3)
+# Prefill sizes (64-row tiles, wgmma n64): the same kernel with a shallower K step and one stage less, so that
+# three CTAs' staging (64-row activation tiles, ~60 KB each) still fit an SM. The portable body it replaced took
+# 62 ms for a V4-Flash layer at 4096 tokens, this 6.9 (BENCHMARKS.md).
+PREFILL_TUNE = Tune(block_k=128, stages=3)
 
 
 def tune_for(block_m: int) -> Tune:
