@@ -14,6 +14,9 @@ Decode contexts are synthetic: each sequence's cache is sized and its token coun
 step reads exactly what a step at that context reads (the values are zeros). The floor of a step is the bytes
 it must read (the weights it touches: every dense weight, the expected distinct experts for the batch, plus
 the KV rows, indexer keys and compressed entries its queries read) divided by the measured HBM bandwidth.
+
+DeepSeek-V4.1 has its own: benchmarks/decode_v41.py (a "V4.1-Flash slice": real widths, one layer of each kind,
+FP8 / FP4 weights, eager `DeepseekV41` through the sm90 kernels, the same floors).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class LLM:
             cfg = read_config(self.model_dir)
         self.config = cfg
         v41 = isinstance(cfg, V41Config)
-        if v41:  # before the backend resolves: a kernel backend is refused on any machine
+        if v41:  # before the backend resolves: a target V4.1 does not run on is refused on any machine
             check_v41_backend(backend if backend is not None else env.accelerator)
         self.backend = select_backend(backend, env.cache_dir, env)
         torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
@@ -73,11 +73,11 @@ class LLM:
         # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir),
                              v41=True if v41 else None)
-        self.keep_quantized = quantization == "auto" and not v41  # V4.1: dense weights dequantized at load
+        self.keep_quantized = quantization == "auto"  # FP8 / FP4 checkpoint tensors stay quantized (V4 and V4.1)
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress)
         if v41:
-            built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, opts)
+            built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:
             built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts)
         self.model, self.cache, self.weight_bytes = built.model, built.cache, built.weight_bytes

@@ -15,7 +15,6 @@ import torch
 import backends
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
-from tilekernels.ops import V41_OPS
 from deepinfer.env import Env, check_writable_dir
 from deepinfer.errors import ConfigError
 from deepinfer.options import cache_spec, fit_check, host_memory, tiny_weight_bytes
@@ -25,7 +24,7 @@ from deepinfer.runtime.steps import ModelSteps
 
 log = logging.getLogger("deepinfer")
 GIB = 2**30
-V41_BACKENDS = ("reference", "c")  # where V4.1 runs (eager, dense per-slot caches); `cpu` names the first
+V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 runs (eager, dense per-slot caches); `cpu` names the first
 
 
 @dataclass(frozen=True)
@@ -115,17 +114,16 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
 
 
 def check_v41_backend(name: str | None) -> None:
-    """ConfigError when the `--backend` name (or DEEPINFER_ACCELERATOR) picks a GPU or NPU target: V4.1 runs on
-    the CPU, through the reference ops or the c target's kernels (checked before the target is resolved, so it is
-    the error on any machine)."""
+    """ConfigError when the `--backend` name (or DEEPINFER_ACCELERATOR) picks a target V4.1 does not run on yet
+    (checked before the target is resolved, so it is the error on any machine)."""
     if name is not None and name not in backends.BACKEND_NAMES:
         return  # an unknown name: the backend's own resolution names the accepted ones
     names = backends.ALIASES.get(name, (name,)) if name is not None else (backends.detect().name,)
-    if any(n not in V41_BACKENDS for n in names):
-        raise ConfigError(f"backend {name or names[0]!r}: DeepSeek-V4.1 runs on the CPU for now (--backend cpu: the "
-                          f"reference ops; --backend c: its TileLang kernels); a GPU backend waits for the model run "
-                          f"through its kernels on the GPU (V4.1's own ops {', '.join(V41_OPS)} are checked there "
-                          f"one by one), the paged cache of its shared compressed latents and decode graphs")
+    if all(n not in V41_BACKENDS for n in names):
+        raise ConfigError(f"backend {name or names[0]!r}: DeepSeek-V4.1 runs on {', '.join(V41_BACKENDS)} for now "
+                          f"(--backend cpu: the reference ops; --backend c: its TileLang kernels on the CPU; "
+                          f"--backend nvidia: its TileLang kernels on an sm_90 GPU); sm100 and ascend lower and build "
+                          f"its kernels (`deepinfer compile --model DIR`) but the model was never run there")
 
 
 def engram_hasher(cfg: V41Config, tokenizer_path: Path):
@@ -150,18 +148,29 @@ def engram_hasher(cfg: V41Config, tokenizer_path: Path):
     return from_classes(e.layer_ids, e.max_ngram, e.n_heads, e.vocab_size, e.pad_id, classes)
 
 
-def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype) -> int:
-    """Bytes of the loaded V4.1 weights (dense ones dequantized to `dtype`, Engram tables kept FP8)."""
+def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype, keep_quantized: bool = False) -> int:
+    """Bytes of the loaded V4.1 weights: with `keep_quantized` the tensors `load_v41` keeps FP8 / FP4 at their
+    stored size (values and scales), the rest at `dtype` (fp32 ones at 4 bytes); the Engram tables FP8 always."""
     from deepinfer.model.v41_weights import TABLE, tensor_specs
     from deepinfer.model.weights import FP32
+    from deepinfer.weights.v41_formats import TABLE_FORMAT, checkpoint_format_v41
+    from tilekernels.quant import grid
 
-    size = {FP32: 4, TABLE: 1}
     model = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(s.shape) * size.get(s.kind, model) for s in tensor_specs(cfg).values())
+    total = 0
+    for name, spec in tensor_specs(cfg).items():
+        fmt = TABLE_FORMAT if spec.kind == TABLE else checkpoint_format_v41(name, cfg) if keep_quantized else None
+        numel = math.prod(spec.shape)
+        if fmt is None:
+            total += numel * (4 if spec.kind == FP32 else model)
+        else:  # FP4: two values a byte; scales: one exponent byte (ue8m0) or fp32
+            form, block, ue8m0 = fmt
+            total += numel // (2 if form == "fp4" else 1) + math.prod(grid(*spec.shape, block)) * (1 if ue8m0 else 4)
+    return total
 
 
 def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend: Backend, dtype: torch.dtype,
-                 opts: EngineOptions) -> Assembled:
+                 env: Env, opts: EngineOptions) -> Assembled:
     from deepinfer.model.v41 import DeepseekV41
     from deepinfer.model.v41_cache import V41Cache
     from deepinfer.model.v41_weights import V41Weights
@@ -171,19 +180,30 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     if backend.name not in V41_BACKENDS:  # check_v41_backend ran first; this guards a direct call
         raise ConfigError(f"backend {backend.name!r}: DeepSeek-V4.1 runs on the backends {V41_BACKENDS} for now")
     hasher = engram_hasher(cfg, tokenizer_path)
-    weights_size = v41_weight_bytes(cfg, dtype)
+    # as V4: the checkpoint's FP8 / FP4 tensors stay quantized with `auto` where the model takes them so (the
+    # reference ops dequantize one tensor at a time, the kernels read them as stored); `none` dequantizes at load
+    keep = opts.quantization == "auto"
+    weights_size = v41_weight_bytes(cfg, dtype, keep)
 
     def cache_bytes(spec) -> int:
         meta = V41Cache.empty(cfg, spec.max_seqs, spec.max_tokens, dtype, "meta")
         return sum(t.numel() * t.element_size() for t in dense_tensors(meta))
 
     _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
-    ckpt = load_v41(model_dir, cfg, dtype, backend.device)
+    if backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
+        from deepinfer.compile.prebuild import prebuild
+
+        check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
+        prebuild(backend.kernel_target, cfg, str(dtype).removeprefix("torch."), env.cache_dir, opts.show_progress,
+                 quantized=keep)
+    ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep)
     model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
     cache = V41SlotCache(cfg, cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                                          opts.gpu_memory_utilization), dtype, backend.device)
-    report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB (dense ones dequantized), "
-              f"cache {cache.num_bytes() / GIB:.2f} GiB (V4.1: dense per slot)")
+    kept = keep and cfg.raw.get("quantization_config")
+    report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB "
+              + ("(FP8/FP4 kept)" if kept else "(dense ones dequantized)")
+              + f", cache {cache.num_bytes() / GIB:.2f} GiB (V4.1: dense per slot)")
     return Assembled(model, cache, V41Steps(model, cache), weights_size, report)
 
 

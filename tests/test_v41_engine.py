@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 through deepinfer's engine, API and CLI on the CPU reference path (tiny fixture `a`): greedy
 tokens equal the reference's, batched equals alone, chunked prefill equals one-shot, a reused cache slot starts
-clean; the Engram hasher comes from the model directory's tokenizer; kernel backends, images and chat prompts
-without `<｜System｜>` are refused with errors that name what is missing."""
+clean; the Engram hasher comes from the model directory's tokenizer; `deepinfer compile` builds its kernel set;
+targets it never ran on, images and chat prompts without `<｜System｜>` are refused with errors that name what is
+missing."""
 
 from __future__ import annotations
 
@@ -93,16 +94,27 @@ def test_cli_runs_offline_on_a_v41_directory(path):
     assert "V4.1 encoding" in result.stderr and "backend reference" in result.stderr
 
 
-def test_compile_names_a_v41_directory_instead_of_planning_v4_kernels(path, tmp_path):
-    result = CliRunner().invoke(main, ["compile", "--target", "c", "--model", str(path), "--out", str(tmp_path)])
-    assert result.exit_code != 0 and "is a DeepSeek-V4.1 model" in result.output, result.output
-    assert not any(tmp_path.iterdir())  # nothing written
+def test_compile_builds_the_v41_kernel_set(path, c_kernel_cache):
+    """`deepinfer compile --model <V4.1 dir>` plans V4.1's kernels (its own ops among them) and builds them; the
+    c-kernel test below then finds them in the cache."""
+    from codegen.driver import read_manifest
+    from deepinfer.compile.plan import kernel_plan
+    from deepinfer.config_v41 import read_config
+
+    result = CliRunner().invoke(main, ["compile", "--target", "c", "--model", str(path), "--out", str(c_kernel_cache)])
+    assert result.exit_code == 0, result.output
+    plan = kernel_plan(read_config(path), "float32")
+    built = {(e["op"], e["kernel"]) for e in read_manifest(c_kernel_cache / "c")["entries"]}
+    assert {(op, kernel) for op, kernel, _ in plan} <= built
+    assert {"hc_mixes", "engram_lookup", "engram_gate", "candidate_blocks", "fp4_act_qdq", "sparse_attention",
+            "moe_experts"} <= {op for op, _, _ in plan}
 
 
-def test_gpu_backends_are_refused_naming_what_is_missing(path):
-    with pytest.raises(ConfigError, match=r"backend 'nvidia': DeepSeek-V4.1 runs on the CPU for now \(--backend cpu: "
-                                          r"the reference ops; --backend c: its TileLang kernels\).*decode graphs"):
-        deepinfer.LLM(path, backend="nvidia")
+def test_targets_v41_never_ran_on_are_refused_naming_where_it_runs(path):
+    for name in ("ascend", "sm100"):
+        with pytest.raises(ConfigError, match=rf"backend '{name}': DeepSeek-V4.1 runs on reference, c, sm90 for now "
+                                              r"\(--backend cpu: the reference ops; .*never run there"):
+            deepinfer.LLM(path, backend=name)
 
 
 def test_the_c_kernels_give_the_reference_paths_greedy_tokens(path, llm, c_kernel_cache, monkeypatch):

@@ -71,7 +71,13 @@ def test_fp8_and_fp4_weights_are_dequantized_with_their_blocks():
     lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
     u = e.view(torch.uint8).long()
     codes = torch.stack([lut[u & 15], lut[u >> 4]], -1).flatten(1)  # low nibble first
-    assert torch.equal(ckpt.tensors["layers.0.ffn.experts.3.w2.weight"], codes * es.float())
+    # routed experts come stacked, expert by expert as read: down [E, D, I], gate (w1) over up (w3) [E, 2I, D]
+    assert torch.equal(ckpt.tensors["layers.0.ffn.experts.down_proj"][3], codes * es.float())
+    up = raw["layers.0.ffn.experts.3.w3.weight"].view(torch.uint8).long()
+    codes = torch.stack([lut[up & 15], lut[up >> 4]], -1).flatten(1)
+    scale = raw["layers.0.ffn.experts.3.w3.scale"].float().repeat_interleave(32, 1)
+    assert torch.equal(ckpt.tensors["layers.0.ffn.experts.gate_up_proj"][3, 32:], codes * scale)
+    assert not any(".experts.3." in name for name in ckpt.tensors)
     n_fp8 = sum(1 for k, v in raw.items() if v.dtype == torch.float8_e4m3fn)
     n_fp4 = sum(1 for k, v in raw.items() if v.dtype == torch.int8)
     assert ckpt.quantized == n_fp8 + n_fp4 and n_fp4 == 8 * 4 * 3

@@ -43,21 +43,14 @@ def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization) -> N
 
 
 def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized: bool = True) -> None:
-    from deepinfer.config import ModelConfig
+    from deepinfer.config_v41 import read_config
     from deepinfer.errors import ConfigError
     from deepinfer.compile.plan import kernel_plan
     from deepinfer.compile.prebuild import build_kernels
     from deepinfer.env import check_writable_dir
     from deepinfer.tiny import tiny_config
 
-    if model_dir:
-        from deepinfer.config_v41 import V41Config, read_config
-
-        if isinstance(read_config(model_dir), V41Config):
-            raise ConfigError(f"{model_dir} is a DeepSeek-V4.1 model: `deepinfer compile` has no V4.1 kernel plan "
-                              "yet (V4.1 runs on the CPU: `--backend cpu`, or `--backend c`, whose kernels build on "
-                              "first use); it compiles DeepSeek-V4 models")
-    cfg = ModelConfig.from_model_dir(model_dir) if model_dir else tiny_config()
+    cfg = read_config(model_dir) if model_dir else tiny_config()  # DeepSeek-V4 or V4.1
     check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
     items = kernel_plan(cfg, dtype, None if quantized else False)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
 
 Item = tuple[str, str, Any]  # (op, kernel, variant)
 META = torch.device("meta")
@@ -23,15 +24,25 @@ def sample_rows() -> tuple[int, ...]:
     return tuple(sorted({1}.union(*(op.row_samples for op in DECLARED.values()))))
 
 
-def kernel_plan(cfg: ModelConfig, dtype: str = "bfloat16", quantized: bool | None = None) -> list[Item]:
-    """Every (op, kernel, variant) the forward passes of `cfg` launch, without duplicates, in launch order.
-    `quantized`: the checkpoint's FP8/FP4 tensors stay quantized (None: whenever the config declares a
-    `quantization_config`, as `--quantization auto` loads them)."""
+def kernel_plan(cfg: ModelConfig | V41Config, dtype: str = "bfloat16", quantized: bool | None = None) -> list[Item]:
+    """Every (op, kernel, variant) the forward passes of `cfg` (DeepSeek-V4 or V4.1) launch, without duplicates,
+    in launch order. `quantized`: the checkpoint's FP8/FP4 tensors stay quantized (None: whenever the config
+    declares a `quantization_config`, as `--quantization auto` loads them)."""
+    from deepinfer.compile.plan_v41 import trace_v41
     from tilekernels.kernels import Recorder
 
     recorder = Recorder()
-    trace(cfg, dtype, recorder, sample_rows(), quantized=quantized)
+    if isinstance(cfg, V41Config):
+        trace_v41(cfg, torch_dtype(dtype), recorder, sample_rows(), quantized=quantized)
+    else:
+        trace(cfg, dtype, recorder, sample_rows(), quantized=quantized)
     return list(recorder.seen)
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported by the kernels; accepted: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context: int = 1024,
@@ -43,9 +54,7 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
     from deepinfer.runtime.cache import CacheSpec, PagedCache
     from tilekernels.kernels import table
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported by the kernels; accepted: {', '.join(DTYPES)}")
-    model = DeepseekV4(cfg, meta_weights(cfg, DTYPES[dtype], quantized), table(launcher))
+    model = DeepseekV4(cfg, meta_weights(cfg, torch_dtype(dtype), quantized), table(launcher))
     for n in rows:
         per_seq = -(-max(n, context + 1) // 128)
         cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq),

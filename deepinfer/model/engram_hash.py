@@ -91,9 +91,14 @@ class EngramHasher:
             rows.append(folded.unsqueeze(-1) % self.primes[:, size - 1])
         return torch.cat(rows, -1) + self.offsets
 
+    def to(self, device: torch.device | str) -> EngramHasher:
+        """The same hasher with its tables on `device` (the model's: ids and histories live there)."""
+        return EngramHasher(self.primes.to(device), self.offsets.to(device), self.multipliers.to(device),
+                            self.classes.to(device), self.pad_class)
+
     def classes_of(self, ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids -> classes, DEAD where `image` is set."""
-        c = self.classes.to(ids.device)[ids]
+        c = self.classes[ids]
         return c if image is None else torch.where(image, torch.full_like(c, DEAD), c)
 
 

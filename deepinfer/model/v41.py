@@ -54,8 +54,9 @@ class DeepseekV41:
         if mixed:
             raise ConfigError(f"index source layers {mixed} follow candidate source {source} but have another "
                               f"compress ratio: they cannot be restricted to its candidate blocks")
-        self.cfg, self.weights, self.ops, self.hasher = cfg, weights, ops, hasher
         device = weights.embed.device
+        self.cfg, self.weights, self.ops = cfg, weights, ops
+        self.hasher = None if hasher is None else hasher.to(device)
         main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device), cfg.rope_main.attention_factor)
         comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device),
                           cfg.rope_compress.attention_factor)
@@ -134,7 +135,9 @@ class DeepseekV41:
         if logit_rows is None:
             logit_rows = torch.tensor([ch.start + ch.length - 1 for ch in chunks], device=h.device)
         out = ops.rms_norm(ops.hc_collapse(h[logit_rows], pre[logit_rows]), w.norm, eps)
-        return ops.linear(out.float(), w.head).float()
+        # the reference's head runs in fp32; a kernel table takes one dtype, so the head's own (fp32 on the reference
+        # path's default dtype: the same numbers)
+        return ops.linear(out.to(w.head.dtype), w.head).float()
 
     def _engram(self, w: Engram41, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """h [N, hc, D] += gated Engram value; rows [N, (max_ngram - 1) * heads] table rows of each token."""

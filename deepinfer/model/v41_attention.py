@@ -81,6 +81,9 @@ def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk
                                                       pos[rows], shared)
             picks = shared.picks[(ctx.index_source, i)]
             latents = state.latents[ch.slot, : (ch.t0 + ch.length) // r]
+            if picks.numel() < latents.shape[0]:  # decode: only the picked latents join the pool (not 32K rows)
+                latents = latents[picks.clamp(min=0).flatten()]
+                picks = torch.where(picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1)
             comp_rows = torch.where(picks >= 0, picks + pool.shape[0], torch.full_like(picks, -1))
             pool = torch.cat([pool, latents.to(pool.dtype)])
             indices = torch.cat([indices, comp_rows], dim=1)

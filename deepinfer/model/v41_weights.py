@@ -4,7 +4,10 @@ typed containers the forward pass reads (`V41Weights.from_tensors`).
 Names are DeepSeek's upstream checkpoint names (`layers.3.attn.wq_a.weight`, `embed.weight`; a leading `model.`
 is accepted by the loader): transformers has no V4.1 model, so there is no HF spelling to map. Quantization
 scales (`<module>.scale`) are not listed: the loader pairs them with their weight. Routed experts are listed one
-by one (`layers.L.ffn.experts.E.w1.weight`) and stacked into `MoE.gate_up` / `MoE.down` here.
+by one (`layers.L.ffn.experts.E.w1.weight`) and stacked into `MoE.gate_up` / `MoE.down` here, unless the map
+already holds a layer's experts stacked (`layers.L.ffn.experts.gate_up_proj` [E, 2I, D] and `...down_proj`
+[E, D, I], as `load_v41` builds them while reading, so the experts are never held twice). Any weight may be a
+`BlockQuantized` (FP8 / FP4 kept from the checkpoint).
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 
 from deepinfer.config_v41 import V41Config
 from deepinfer.errors import WeightsError
-from deepinfer.model.weights import FP32, MODEL, HyperConnection, MoE, TensorSpec
-from tilekernels.quant import BlockQuantized
+from deepinfer.model.weights import FP32, MODEL, HyperConnection, MoE, TensorSpec, _join_rows
+from tilekernels.quant import BlockQuantized, dense
 
 TABLE = "table"  # kept in its checkpoint format (the FP8 Engram tables: 384M rows in the release)
+GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"  # a layer's routed experts stacked, after `ffn.`
 
 
 def key_owner(cfg: V41Config, layer: int) -> int:
@@ -73,10 +77,11 @@ def tensor_specs(cfg: V41Config) -> dict[str, TensorSpec]:
         _block(specs, p, cfg, cfg.n_routed_experts)
         a = p + "attn."
         if i in cfg.kv_source_layers:
-            specs[a + "compressor.wkv.weight"] = TensorSpec((hd, d), MODEL)
+            pooled = cfg.compress_ratios[i] > 1  # projects and pools in fp32, as the reference does
+            specs[a + "compressor.wkv.weight"] = TensorSpec((hd, d), FP32 if pooled else MODEL)
             specs[a + "compressor.norm.weight"] = TensorSpec((hd,), FP32)
-            if cfg.compress_ratios[i] > 1:
-                specs[a + "compressor.wgate.weight"] = TensorSpec((hd, d), MODEL)
+            if pooled:
+                specs[a + "compressor.wgate.weight"] = TensorSpec((hd, d), FP32)
         if i in cfg.index_source_layers:
             di = cfg.index_head_dim
             specs[a + "indexer.wq_b.weight"] = TensorSpec((cfg.index_n_heads * di, cfg.q_lora_rank), MODEL)
@@ -209,9 +214,22 @@ class V41Weights:
         return cls(t["embed.weight"], t["head.weight"], t["norm.weight"], tuple(layers), drafts)
 
 
+def stacked_specs(cfg: V41Config, layer: int) -> dict[str, TensorSpec]:
+    """Layer `layer`'s routed experts stacked: gate over up [E, 2I, D] and down [E, D, I]."""
+    e, i, d, p = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, f"layers.{layer}.ffn."
+    return {p + GATE_UP: TensorSpec((e, 2 * i, d), MODEL), p + DOWN: TensorSpec((e, d, i), MODEL)}
+
+
 def check_tensors(cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise `WeightsError` naming the missing tensors or the first one of the wrong shape."""
+    """Raise `WeightsError` naming the missing tensors or the first one of the wrong shape (a layer's routed
+    experts one by one, or stacked)."""
     specs = tensor_specs(cfg)
+    for layer in range(cfg.num_hidden_layers):
+        stacked = stacked_specs(cfg, layer)
+        if any(name in tensors for name in stacked):
+            p = f"layers.{layer}.ffn.experts."
+            specs = {n: s for n, s in specs.items() if not n.startswith(p) or n in stacked}
+            specs.update(stacked)
     missing = [name for name in specs if name not in tensors]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -227,10 +245,47 @@ def _hc(t: Mapping[str, torch.Tensor], prefix: str) -> HyperConnection:
 
 
 def _moe(t: Mapping[str, torch.Tensor], p: str, experts: int) -> MoE:
-    """Upstream's per-expert w1 (gate) / w3 (up) / w2 (down) stacked as the MoE ops take them."""
-    e = [f"{p}experts.{i}." for i in range(experts)]
-    gate_up = torch.stack([torch.cat([t[x + "w1.weight"], t[x + "w3.weight"]]) for x in e])
-    down = torch.stack([t[x + "w2.weight"] for x in e])
+    """Upstream's per-expert w1 (gate) / w3 (up) / w2 (down) stacked as the MoE ops take them (or the layer's
+    stacked experts as given); the shared expert's w1 over w3."""
+    dtype = t[p + "gate.weight"].dtype  # the router stays plain: the model's dtype
+    if p + GATE_UP in t:
+        gate_up, down = t[p + GATE_UP], t[p + DOWN]
+    else:
+        e = [f"{p}experts.{i}." for i in range(experts)]
+        gate_up = stack_experts([[t[x + "w1.weight"], t[x + "w3.weight"]] for x in e], dtype)
+        down = stack_experts([[t[x + "w2.weight"]] for x in e], dtype)
+    if isinstance(gate_up, BlockQuantized) != isinstance(down, BlockQuantized):  # the expert kernels take both or none
+        gate_up, down = dense(gate_up, dtype), dense(down, dtype)
     s = p + "shared_experts."
     return MoE(gate=t[p + "gate.weight"], bias=t[p + "gate.bias"], tid2eid=None, gate_up=gate_up, down=down,
-               shared_gate_up=torch.cat([t[s + "w1.weight"], t[s + "w3.weight"]]), shared_down=t[s + "w2.weight"])
+               shared_gate_up=_join_rows(t[s + "w1.weight"], t[s + "w3.weight"], dtype), shared_down=t[s + "w2.weight"])
+
+
+def stack_experts(experts: list[list[torch.Tensor | BlockQuantized]],
+                  dtype: torch.dtype) -> torch.Tensor | BlockQuantized:
+    """Each expert's parts joined along rows (gate over up), stacked [E, rows, K] in one tensor filled part by
+    part: block-quantized when every part is, in one format, block and dtype, with the joins on block boundaries;
+    else every part dequantized / cast to `dtype`."""
+    first = experts[0][0]
+    if (all(isinstance(w, BlockQuantized) and _form(w) == _form(first) for parts in experts for w in parts)
+            and all(w.shape[-2] % first.block[0] == 0 for w in experts[0][:-1])):
+        return BlockQuantized(_fill(experts, lambda w: w.values), _fill(experts, lambda w: w.scales), first.block,
+                              first.format)
+    return _fill(experts, lambda w: dense(w, dtype))
+
+
+def _form(w: BlockQuantized) -> tuple:
+    return w.format, w.block, w.values.dtype, w.scales.dtype
+
+
+def _fill(experts: list[list], get) -> torch.Tensor:
+    head = [get(w) for w in experts[0]]
+    out = torch.empty((len(experts), sum(h.shape[0] for h in head), *head[0].shape[1:]), dtype=head[0].dtype,
+                      device=head[0].device)
+    for i, parts in enumerate(experts):
+        row = 0
+        for w in parts:
+            part = get(w)
+            out[i, row: row + part.shape[0]] = part
+            row += part.shape[0]
+    return out

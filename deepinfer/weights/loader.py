@@ -21,7 +21,7 @@ from deepinfer.errors import WeightsError
 from deepinfer.model.weights import FP32, INT, MODEL, TensorSpec, tensor_specs
 from deepinfer.weights.names import Target, classify
 from deepinfer.weights.quant import FP8_BLOCK, as_quantized, dequantize, for_kernels, is_quantized
-from tilekernels.quant import BlockQuantized
+from tilekernels.quant import BlockQuantized, grid
 
 log = logging.getLogger("deepinfer.weights")
 
@@ -262,30 +262,36 @@ def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt,
 
 
 def _stack_quantized(name, parts, read, block, ckpt, expect) -> BlockQuantized | None:
-    """Every expert's part kept quantized and stacked [E, rows, ...] (gate over up); None when the parts differ in
-    format or block, or gate and up cannot be joined on a block boundary (then they are dequantized)."""
-    kept = {}
-    for (expert, part), keys in sorted(parts.items()):
-        q = for_kernels(keys["value"], as_quantized(keys["value"], read(keys["value"]), read(keys["scale"]), block))
-        if tuple(q.shape) != expect[part]:
-            raise WeightsError(f"tensor {keys['value']} has shape {list(q.shape)}, but expert {part} weights of this "
-                               f"config are {list(expect[part])}")
-        kept[(expert, part)] = q
-    first = next(iter(kept.values()))
-    if any(q.format != first.format or q.block != first.block for q in kept.values()):
-        return None
-    experts = sorted({e for e, _ in kept})
-    if name.endswith("down_proj"):
-        per = [kept[(e, "down")] for e in experts]
-    else:
-        if expect["gate"][0] % first.block[0]:
-            return None
-        per = [BlockQuantized(torch.cat([kept[(e, "gate")].values, kept[(e, "up")].values]),
-                              torch.cat([kept[(e, "gate")].scales, kept[(e, "up")].scales]), first.block, first.format)
-               for e in experts]
-    ckpt.quantized += len(kept)
-    return BlockQuantized(torch.stack([q.values for q in per]), torch.stack([q.scales for q in per]), first.block,
-                          first.format)
+    """Every expert's part kept quantized and stacked [E, rows, ...] (gate over up), each part written straight
+    into the stacked values and scales as it is read (no second copy of the experts); None when the parts differ
+    in format, block or dtypes, or gate and up cannot be joined on a block boundary (then they are dequantized)."""
+    order = ("down",) if name.endswith("down_proj") else ("gate", "up")
+    experts = sorted({e for e, _ in parts})
+    first = values = scales = None
+    for i, expert in enumerate(experts):
+        row = scale_row = 0
+        for part in order:
+            keys = parts[(expert, part)]
+            q = for_kernels(keys["value"], as_quantized(keys["value"], read(keys["value"]), read(keys["scale"]), block))
+            if tuple(q.shape) != expect[part]:
+                raise WeightsError(f"tensor {keys['value']} has shape {list(q.shape)}, but expert {part} weights of "
+                                   f"this config are {list(expect[part])}")
+            if first is None:
+                first = q
+                if len(order) > 1 and expect["gate"][0] % q.block[0]:
+                    return None
+                rows = sum(expect[p][0] for p in order)
+                values = torch.empty((len(experts), rows, q.values.shape[-1]), dtype=q.values.dtype)
+                scales = torch.empty((len(experts), sum(grid(*expect[p], q.block)[0] for p in order),
+                                      q.scales.shape[-1]), dtype=q.scales.dtype)
+            elif (q.format, q.block, q.values.dtype, q.scales.dtype) != (first.format, first.block, first.values.dtype,
+                                                                         first.scales.dtype):
+                return None
+            values[i, row: row + q.values.shape[0]] = q.values
+            scales[i, scale_row: scale_row + q.scales.shape[0]] = q.scales
+            row, scale_row = row + q.values.shape[0], scale_row + q.scales.shape[0]
+    ckpt.quantized += len(experts) * len(order)
+    return BlockQuantized(values, scales, first.block, first.format)
 
 
 class ShardReader:
