@@ -46,6 +46,7 @@ class Config:
     threads: int = 128
     narrow_threads: int = 128  # 64-row tiles: four warps cover 64 rows of wgmma/mma
     min_block_n: int = 16  # the narrowest N tile the target's MMA takes (sm_100a 64-row tcgen05 needs 64)
+    fp32_block_k: int = 0  # K tile of fp32 operands (0: block_k): their tiles take twice the shared memory
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -63,7 +64,7 @@ def shape(v: Variant, cfg: Config) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, n_tiles, block_k, k_tiles_per_split) of variant `v` built with `cfg`."""
     BM = min(cfg.block_m, 64) if v.narrow else cfg.block_m
     BN, NT = edge_tile(v.n, min(cfg.block_n, 64) if v.narrow else cfg.block_n, cfg.min_block_n)
-    BK, KB = edge_tile(v.k, cfg.block_k)
+    BK, KB = edge_tile(v.k, cfg.fp32_block_k if v.dtype == "float32" and cfg.fp32_block_k else cfg.block_k)
     require(KB % v.split_k == 0, "linear", f"K={v.k} in {KB} tiles of {BK} cannot be split {v.split_k} ways")
     return BM, BN, NT, BK, KB // v.split_k
 
@@ -117,8 +118,10 @@ def body(P, v: Variant, cfg: Config):
 _CPU = Config(block_m=16, block_n=16, block_k=16, stages=0, threads=1, narrow_threads=1)
 KERNEL = Kernel("gemm", body, configs={
     "default": Config(),
-    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256),  # benchmarks/tune_gemm.py
-    "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64),
+    # benchmarks/tune_gemm.py; fp32 (V4.1's ratio-2 compressor) at half the K depth: 3 stages of 256x64 + 128x64
+    # fp32 tiles would need 288 KB of shared memory (the SM has 227)
+    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32),
+    "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64, fp32_block_k=32),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,
 })
