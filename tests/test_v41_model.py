@@ -1,6 +1,7 @@
 """deepinfer's own V4.1 invariants on the fixture checkpoints (the reference cannot check these: it prefills only
 from position 0 and runs a batch in lockstep): chunked prefill equals one-shot, a sequence in a batch (ragged
-lengths, prefill beside decode) equals the same sequence alone, and bad calls are named errors.
+lengths, prefill beside decode) equals the same sequence alone, one-token steps (the batched decode path) equal
+one-shot prefill, and bad calls are named errors.
 
 Tolerances: those of test_v41_parity. Two deepinfer runs differ only where the GEMMs see other row counts (fp32
 reassociation, FP32_TOL) and, rarely, where such an ulp lands an FP8/FP4 rounding one grid step apart (FLIP_TOL;
@@ -70,6 +71,25 @@ def test_a_sequence_in_a_batch_equals_it_alone(name):
     assert cache.num_tokens == [p + 7, p + 6]
     assert_logits_close(torch.cat(out0), alone[0])
     assert_logits_close(torch.cat(out1), alone[1][: p + 6])
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_one_token_steps_from_the_start_equal_one_shot_prefill(name):
+    """Forwards of one-token chunks only take the batched decode path (`v41_decode`): two sequences fed token by
+    token from position 0 (no compressed entry yet, ratio-2 groups opening and closing, sequence 1 one position
+    behind) give the rows of their one-shot prefills."""
+    fx = fixture(name)
+    model = fx.model()
+    t, p = fx.ref["tokens"], fx.prompt_len
+    want = [model.prefill(model.new_cache(1, MAX_LEN), t[i, :p], 0) for i in range(2)]
+    cache = model.new_cache(2, MAX_LEN)
+    rows = [[model.forward(cache, t[0, :1], [Chunk(0, 0, 1, 0)])[0]], []]
+    for s in range(1, p):
+        got = model.forward(cache, torch.stack([t[0, s], t[1, s - 1]]), [Chunk(0, 0, 1, s), Chunk(1, 1, 1, s - 1)])
+        rows[0].append(got[0])
+        rows[1].append(got[1])
+    assert_logits_close(torch.stack(rows[0]), want[0])
+    assert_logits_close(torch.stack(rows[1]), want[1][: p - 1])
 
 
 def test_bad_calls_are_named():

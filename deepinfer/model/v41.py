@@ -156,6 +156,13 @@ class DeepseekV41:
         if self.hasher is None:
             return None
         back = self.hasher.multipliers.shape[1] - 1
+        if all(ch.length == 1 for ch in chunks):  # a decode step: every sequence's n-grams at once
+            dev = ids.device
+            slot = torch.tensor([ch.slot for ch in chunks], device=dev).view(-1, 1)
+            seen = torch.tensor([ch.t0 for ch in chunks], device=dev).view(-1, 1) + torch.arange(-back, 1, device=dev)
+            cache.classes[slot[:, 0], seen[:, -1]] = self.hasher.classes_of(ids)
+            history = torch.where(seen >= 0, cache.classes[slot, seen.clamp(min=0)], DEAD)
+            return self.hasher.hashes(history)[:, 0]
         out = []
         for ch in chunks:
             t0, end = ch.t0, ch.t0 + ch.length

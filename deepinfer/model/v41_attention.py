@@ -17,6 +17,7 @@ from deepinfer.model.attention import output_projection
 from deepinfer.model.compressor import RopeTables
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_compress import Chunk, CompressContext, Published, compress, select
+from deepinfer.model.v41_decode import decode_attention
 from deepinfer.model.v41_weights import Layer41, key_owner
 from tilekernels import OpTable
 
@@ -65,6 +66,10 @@ def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk
         src = x.float() if gated else x  # ratio > 1 projects and pools in fp32, as the reference does
         ckv = ops.linear(src, w.compressor.wkv)
         cscore = ops.linear(src, w.compressor.wgate) if gated else None
+    if all(ch.length == 1 for ch in chunks):  # a decode step: every sequence at once (same rows, same values)
+        out = decode_attention(ctx, w, cache, [ch.slot for ch in chunks], [ch.t0 for ch in chunks], q, kv, ckv,
+                               cscore, x, qr, pos, shared)
+        return output_projection(ops, out, pos, rope, cfg.o_groups, a.wo_a, a.wo_b)
     out = torch.empty_like(q)
     for i, ch in enumerate(chunks):
         rows = ch.rows
