@@ -85,21 +85,35 @@ def prebuild_quantized(cfg) -> None:
 
 
 def cuda_ms(fn, iters: int) -> float:
+    """Mean milliseconds of `fn` on the GPU over `iters` calls after a warm-up call."""
     fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    return elapsed_ms(fn, iters, torch.device("cuda"))
+
+
+def elapsed_ms(fn, iters: int, device: torch.device) -> float:
+    """Mean milliseconds of `fn` over `iters` calls: CUDA events on a GPU, the wall clock elsewhere."""
+    cuda = device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+    begin = time.perf_counter()
     for _ in range(iters):
         fn()
+    if not cuda:
+        return (time.perf_counter() - begin) * 1e3 / iters
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
 
 
-def copy_bandwidth() -> float:
-    src = torch.randn(1 << 30, device="cuda")
+def copy_bandwidth(device: torch.device = torch.device("cuda")) -> float:
+    """GB/s of a device-to-device copy (read + write bytes): 4 GiB on a GPU, 16 MiB elsewhere."""
+    src = torch.randn(1 << (30 if device.type == "cuda" else 22), device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (cuda_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e9
+    copy = lambda: dst.copy_(src)  # noqa: E731
+    copy()
+    return 2 * src.numel() * 4 / (elapsed_ms(copy, 20, device) * 1e-3) / 1e9
 
 
 def synthetic_cache(cfg, batch: int, context: int, dtype):

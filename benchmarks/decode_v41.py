@@ -31,6 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.decode import copy_bandwidth, elapsed_ms  # noqa: E402  (after the path: run as a script too)
+
 SLICE = ROOT / "benchmarks" / "configs" / "v41-flash-slice"
 PEAKS = dict(fp8=1979e12, bf16=989e12, fp32=67e12)  # H200 SXM dense FLOP/s: FP8 / bf16 tensor cores, fp32 FMA
 
@@ -47,15 +49,6 @@ def distinct_experts(e: int, k: int, batch: int) -> float:
     """Expected distinct experts hit by `batch` tokens routing to k of e each (uniformly): each expert is missed
     by one token with probability 1 - k/e."""
     return e * (1 - (1 - k / e) ** batch)
-
-
-def kept_format(cfg, name: str, spec):
-    """(form, block, ue8m0) a tensor is kept in on the device, None for plain: `checkpoint_format_v41`, the Engram
-    tables FP8 1x32 always."""
-    from deepinfer.model.v41_weights import TABLE
-    from deepinfer.weights.v41_formats import TABLE_FORMAT, checkpoint_format_v41
-
-    return TABLE_FORMAT if spec.kind == TABLE else checkpoint_format_v41(name, cfg)
 
 
 def per_query(cfg, layer: int, pos: torch.Tensor):
@@ -78,19 +71,20 @@ def decode_floor(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float
     """Bytes one decode step (one token per sequence, each `context` positions deep; the cache at `elt` bytes per
     value: V41Cache keeps it in the model dtype) must read, by part."""
     from deepinfer.model.v41_weights import TABLE, tensor_specs
+    from deepinfer.weights.v41_formats import checkpoint_format_v41
 
     specs = tensor_specs(cfg)
     # every dense weight once at its kept size (the LM head, router, norms, mHC included); the embedding: its rows
-    dense = sum(math.prod(s.shape) * per_value(kept_format(cfg, n, s), s.kind, elt) for n, s in specs.items()
+    dense = sum(math.prod(s.shape) * per_value(checkpoint_format_v41(n, cfg), s.kind, elt) for n, s in specs.items()
                 if ".ffn.experts." not in n and s.kind != TABLE and n != "embed.weight")
     w1 = "layers.0.ffn.experts.0.w1.weight"  # an expert: w1, w3 [I, D] and w2 [D, I], FP4 + scales
-    expert = 3 * math.prod(specs[w1].shape) * per_value(kept_format(cfg, w1, specs[w1]), "")
+    expert = 3 * math.prod(specs[w1].shape) * per_value(checkpoint_format_v41(w1, cfg), "")
     experts = cfg.num_hidden_layers * distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) * expert
     e, engram = cfg.engram, 0.0
     if e is not None:  # per token and Engram layer: (max_ngram - 1) sizes x heads rows of head_dim, FP8 + scales
         table = f"layers.{e.layer_ids[0]}.engram.embed.weight"
         engram = len(e.layer_ids) * (e.max_ngram - 1) * e.n_heads * e.head_dim * per_value(
-            kept_format(cfg, table, specs[table]), "")
+            checkpoint_format_v41(table, cfg), "")
     window = latents = keys = 0.0
     for layer in range(cfg.num_hidden_layers):
         win, lat, key = (float(x) for x in per_query(cfg, layer, torch.tensor([float(context)])))
@@ -107,6 +101,7 @@ def prefill_floor(cfg, n: int, chunk: int, elt: int = 2) -> dict[str, float]:
     """FLOPs of a prefill of n tokens from position 0 in chunks, their time at the H200's peaks (FP8 and bf16 tensor
     cores; the FP4 experts convert to bf16), and the bytes of every weight read once (n x k picks reach all)."""
     from deepinfer.model.v41_weights import TABLE, tensor_specs
+    from deepinfer.weights.v41_formats import checkpoint_format_v41
 
     specs = tensor_specs(cfg)
     flops = dict.fromkeys(PEAKS, 0.0)
@@ -114,7 +109,7 @@ def prefill_floor(cfg, n: int, chunk: int, elt: int = 2) -> dict[str, float]:
         if len(s.shape) != 2 or ".ffn.experts." in name or s.kind == TABLE or name in ("embed.weight", "head.weight"):
             continue
         rows = n // cfg.compress_ratios[int(name.split(".")[1])] if ".indexer.wk." in name else n  # per latent
-        fmt = kept_format(cfg, name, s)  # FP8: W8A8 on Hopper's FP8 wgmma; fp32: ratio-2 compressor, mHC mixes
+        fmt = checkpoint_format_v41(name, cfg)  # FP8: W8A8 on Hopper's FP8 wgmma; fp32: ratio-2 compressor, mHC mixes
         flops[fmt[0] if fmt else s.kind if s.kind == "fp32" else "bf16"] += 2 * rows * math.prod(s.shape)
     flops["bf16"] += 2 * -(-n // chunk) * math.prod(specs["head.weight"].shape)  # each chunk's last row's logits
     w1 = specs["layers.0.ffn.experts.0.w1.weight"]  # k experts per token, 3 matrices of I x D each
@@ -124,7 +119,8 @@ def prefill_floor(cfg, n: int, chunk: int, elt: int = 2) -> dict[str, float]:
         win, lat, keys = per_query(cfg, layer, pos)
         flops["bf16"] += 2 * cfg.num_attention_heads * 2 * cfg.head_dim * float((win + lat).sum())  # QK^T, PV (K=V)
         flops["bf16"] += 2 * cfg.index_n_heads * cfg.index_head_dim * float(keys.sum())
-    weights = sum(math.prod(s.shape) * per_value(kept_format(cfg, name, s), s.kind, elt) for name, s in specs.items())
+    weights = sum(math.prod(s.shape) * per_value(checkpoint_format_v41(name, cfg), s.kind, elt)
+                  for name, s in specs.items())
     return dict(flops=flops, flop_s=sum(f / PEAKS[k] for k, f in flops.items()), weight_bytes=weights)
 
 
@@ -200,7 +196,7 @@ def make_weights(cfg, dtype, device, seed: int = 0, log=print):
     log("generating weights on the device ...")
     for name, spec in tensor_specs(cfg).items():
         if ".ffn.experts." not in name:
-            tensors[name] = make_tensor(name, spec, kept_format(cfg, name, spec), dtype, device, gen)
+            tensors[name] = make_tensor(name, spec, checkpoint_format_v41(name, cfg), dtype, device, gen)
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     fmt = checkpoint_format_v41("layers.0.ffn.experts.0.w1.weight", cfg)  # the same in every layer
     for n in range(cfg.num_hidden_layers):
@@ -211,12 +207,10 @@ def make_weights(cfg, dtype, device, seed: int = 0, log=print):
 
 
 def hasher_for(cfg):
-    """The Engram hasher with a synthetic class map (token id modulo the class count)."""
-    from deepinfer.model.engram_hash import from_classes
+    """The Engram hasher with a synthetic class map (token id modulo the class count): the kernel plan's."""
+    from deepinfer.compile.plan_v41 import stand_in_hasher
 
-    e = cfg.engram
-    return e and from_classes(e.layer_ids, e.max_ngram, e.n_heads, e.vocab_size, e.pad_id,
-                              torch.arange(max(cfg.vocab_size, e.compressed_vocab_size)) % e.compressed_vocab_size)
+    return stand_in_hasher(cfg)
 
 
 TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32,
@@ -239,30 +233,6 @@ def slice_config(tiny: bool = False):
         text["engram_num_embeddings"] = hasher_for(probe).table_rows
         raw = {**raw, "text_config": text}
     return V41Config.from_dict(raw, "tiny slice" if tiny else str(SLICE / "config.json"))
-
-
-def elapsed_ms(fn, iters: int, device: torch.device) -> float:
-    """Mean milliseconds of `fn` over `iters` calls: CUDA events on a GPU, the wall clock elsewhere."""
-    cuda = device.type == "cuda"
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-    begin = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if not cuda:
-        return (time.perf_counter() - begin) * 1e3 / iters
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """GB/s of a device-to-device copy (read + write bytes), as benchmarks/decode.py measures it."""
-    src = torch.randn(1 << (30 if device.type == "cuda" else 22), device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (timed(lambda: dst.copy_(src), device, 0.05, 20)[0] * 1e-3) / 1e9
 
 
 def timed(fn, device, budget_s: float, most: int) -> tuple[float, int, float]:

@@ -151,15 +151,15 @@ def engram_hasher(cfg: V41Config, tokenizer_path: Path):
 def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype, keep_quantized: bool = False) -> int:
     """Bytes of the loaded V4.1 weights: with `keep_quantized` the tensors `load_v41` keeps FP8 / FP4 at their
     stored size (values and scales), the rest at `dtype` (fp32 ones at 4 bytes); the Engram tables FP8 always."""
-    from deepinfer.model.v41_weights import TABLE, tensor_specs
+    from deepinfer.model.v41_weights import tensor_specs
     from deepinfer.model.weights import FP32
-    from deepinfer.weights.v41_formats import TABLE_FORMAT, checkpoint_format_v41
+    from deepinfer.weights.v41_formats import loaded_format_v41
     from tilekernels.quant import grid
 
     model = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, spec in tensor_specs(cfg).items():
-        fmt = TABLE_FORMAT if spec.kind == TABLE else checkpoint_format_v41(name, cfg) if keep_quantized else None
+        fmt = loaded_format_v41(name, cfg, keep_quantized)
         numel = math.prod(spec.shape)
         if fmt is None:
             total += numel * (4 if spec.kind == FP32 else model)
@@ -175,6 +175,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     from deepinfer.model.v41_cache import V41Cache
     from deepinfer.model.v41_weights import V41Weights
     from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps, dense_tensors
+    from deepinfer.weights.v41_formats import quantization_config
     from deepinfer.weights.v41_loader import load_v41
 
     if backend.name not in V41_BACKENDS:  # check_v41_backend ran first; this guards a direct call
@@ -200,7 +201,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
     cache = V41SlotCache(cfg, cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                                          opts.gpu_memory_utilization), dtype, backend.device)
-    kept = keep and cfg.raw.get("quantization_config")
+    kept = keep and quantization_config(cfg.raw) is not None
     report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB "
               + ("(FP8/FP4 kept)" if kept else "(dense ones dequantized)")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB (V4.1: dense per slot)")

@@ -74,6 +74,7 @@ def test_decode_graphs_equal_eager_decode(saved):
     graphed = deepinfer.LLM(saved, max_num_seqs=8)
     capture = EmulatedCapture()
     graphed.engine.graphs = DecodeGraphs(graphed.model, graphed.cache, 8, capture)
+    assert eager.engine.sampler is None and graphed.engine.sampler.capture is capture  # sampling follows the swap
     a, b = eager.generate(reqs, params), graphed.generate(reqs, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert capture.captures >= 2  # batch 3 (bucket 4), then 2 and 1 as requests finish

@@ -66,6 +66,12 @@ def test_greedy_tokens_equal_the_models_and_the_references(llm):
     assert llm.cache.used_blocks == 0 and llm.cache.free_slots == 4
 
 
+def test_the_engine_has_no_decode_graphs_to_swap(llm):
+    assert llm.engine.graphs is None and llm.engine.sampler is None  # V4.1 decodes eagerly
+    with pytest.raises(TypeError, match="V41Steps has no decode graphs to swap"):
+        llm.engine.graphs = object()
+
+
 def test_batched_chunked_and_reused_slots_equal_alone(path, llm):
     g = torch.Generator().manual_seed(7)
     prompts = [{"token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (29, 7, 18)]

@@ -77,22 +77,27 @@ def meta_weights(cfg: ModelConfig, dtype: torch.dtype, quantized: bool | None = 
     config declares a `quantization_config`) the checkpoint's FP8/FP4 tensors as block-quantized meta weights."""
     from deepinfer.model.weights import FP32, INT, ModelWeights, tensor_specs
     from deepinfer.weights.quant import checkpoint_format
-    from tilekernels.quant import BlockQuantized, grid
 
     qc = cfg.raw.get("quantization_config")
     if quantized is False:
         qc = None
     kinds = {FP32: torch.float32, INT: torch.long}
-    tensors = {}
-    for name, spec in tensor_specs(cfg).items():
-        fmt = checkpoint_format(name, qc)
-        if fmt is None:
-            tensors[name] = torch.empty(spec.shape, dtype=kinds.get(spec.kind, dtype), device=META)
-            continue
-        form, block, ue8m0 = fmt
-        *lead, rows, cols = spec.shape
-        values = (torch.empty(*lead, rows, cols, dtype=torch.float8_e4m3fn, device=META) if form == "fp8" else
-                  torch.empty(*lead, rows, cols // 2, dtype=torch.uint8, device=META))
-        scales = torch.empty(*lead, *grid(rows, cols, block), dtype=torch.uint8 if ue8m0 else torch.float32, device=META)
-        tensors[name] = BlockQuantized(values, scales, block, form)
-    return ModelWeights.from_tensors(cfg, tensors)
+    return ModelWeights.from_tensors(cfg, {name: meta_weight(spec.shape, checkpoint_format(name, qc),
+                                                             kinds.get(spec.kind, dtype))
+                                          for name, spec in tensor_specs(cfg).items()})
+
+
+def meta_weight(shape: tuple[int, ...], fmt: tuple | None, dtype: torch.dtype):
+    """A meta weight of logical `shape` [..., N, K]: plain `dtype` (`fmt` None), or block-quantized as the loader
+    keeps it in `fmt` (form, block, ue8m0): FP8 values or FP4 packed two a byte, ue8m0 exponent-byte or fp32
+    scales."""
+    from tilekernels.quant import BlockQuantized, grid
+
+    if fmt is None:
+        return torch.empty(shape, dtype=dtype, device=META)
+    form, block, ue8m0 = fmt
+    *lead, rows, cols = shape
+    values = (torch.empty(*lead, rows, cols, dtype=torch.float8_e4m3fn, device=META) if form == "fp8" else
+              torch.empty(*lead, rows, cols // 2, dtype=torch.uint8, device=META))
+    scales = torch.empty(*lead, *grid(rows, cols, block), dtype=torch.uint8 if ue8m0 else torch.float32, device=META)
+    return BlockQuantized(values, scales, block, form)

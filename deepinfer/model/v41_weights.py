@@ -19,11 +19,12 @@ import torch
 
 from deepinfer.config_v41 import V41Config
 from deepinfer.errors import WeightsError
-from deepinfer.model.weights import FP32, MODEL, HyperConnection, MoE, TensorSpec, _join_rows
+from deepinfer.model.weights import FP32, MODEL, HyperConnection, MoE, TensorSpec, _join_rows, check_specs
 from tilekernels.quant import BlockQuantized, dense
 
 TABLE = "table"  # kept in its checkpoint format (the FP8 Engram tables: 384M rows in the release)
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"  # a layer's routed experts stacked, after `ffn.`
+V41_CONFIG = "the V4.1 config"  # as the weights errors name it
 
 
 def key_owner(cfg: V41Config, layer: int) -> int:
@@ -223,21 +224,14 @@ def stacked_specs(cfg: V41Config, layer: int) -> dict[str, TensorSpec]:
 def check_tensors(cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise `WeightsError` naming the missing tensors or the first one of the wrong shape (a layer's routed
     experts one by one, or stacked)."""
-    specs = tensor_specs(cfg)
+    stacked, per_expert = {}, []  # layers given with stacked experts: those replace their experts one by one
     for layer in range(cfg.num_hidden_layers):
-        stacked = stacked_specs(cfg, layer)
-        if any(name in tensors for name in stacked):
-            p = f"layers.{layer}.ffn.experts."
-            specs = {n: s for n, s in specs.items() if not n.startswith(p) or n in stacked}
-            specs.update(stacked)
-    missing = [name for name in specs if name not in tensors]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise WeightsError(f"the checkpoint lacks {len(missing)} tensor(s) the V4.1 config requires: {shown}")
-    for name, spec in specs.items():
-        got = tuple(tensors[name].shape)
-        if got != spec.shape:
-            raise WeightsError(f"tensor {name} has shape {list(got)}, but the V4.1 config requires {list(spec.shape)}")
+        layer_stacked = stacked_specs(cfg, layer)
+        if any(name in tensors for name in layer_stacked):
+            stacked.update(layer_stacked)
+            per_expert.append(f"layers.{layer}.ffn.experts.")
+    specs = {n: s for n, s in tensor_specs(cfg).items() if not n.startswith(tuple(per_expert))}
+    check_specs({**specs, **stacked}, tensors, V41_CONFIG)
 
 
 def _hc(t: Mapping[str, torch.Tensor], prefix: str) -> HyperConnection:

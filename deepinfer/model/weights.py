@@ -232,14 +232,9 @@ class ModelWeights:
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:
     """Raise `WeightsError` naming every missing tensor or the first one of the wrong shape or range."""
     specs = tensor_specs(cfg)
-    missing = [name for name in specs if name not in tensors]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise WeightsError(f"the checkpoint lacks {len(missing)} tensor(s) the config requires: {shown}")
+    check_present(specs, tensors)
     for name, spec in specs.items():
-        got = tuple(tensors[name].shape)
-        if got != spec.shape:
-            raise WeightsError(f"tensor {name} has shape {list(got)}, but the config requires {list(spec.shape)}")
+        check_shape(name, tensors[name].shape, spec)
         if spec.kind == INT:
             table = tensors[name]
             if table.numel() and not table.is_meta and (int(table.min()) < 0 or int(table.max()) >= cfg.n_routed_experts):
@@ -247,6 +242,29 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None
                     f"tensor {name} routes to expert ids in [{int(table.min())}, {int(table.max())}], "
                     f"outside [0, {cfg.n_routed_experts - 1}]"
                 )
+
+
+def check_specs(specs: Mapping[str, TensorSpec], tensors: Mapping[str, object], what: str = "the config") -> None:
+    """Raise `WeightsError` naming every tensor of `specs` that `tensors` lacks, or the first one of another shape
+    (`what`: the config as the message names it)."""
+    check_present(specs, tensors, what)
+    for name, spec in specs.items():
+        check_shape(name, tensors[name].shape, spec, what)
+
+
+def check_present(specs: Mapping[str, TensorSpec], names, what: str = "the config", where: str = "") -> None:
+    """Raise `WeightsError` naming (the first eight of) the tensors of `specs` not in `names`; `where` leads the
+    message (a loader's checkpoint directory)."""
+    missing = [name for name in specs if name not in names]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise WeightsError(f"{where}the checkpoint lacks {len(missing)} tensor(s) {what} requires: {shown}")
+
+
+def check_shape(label: str, shape, spec: TensorSpec, what: str = "the config") -> None:
+    """Raise `WeightsError` when tensor `label` (plain or block-quantized: its logical shape) is not `spec`'s."""
+    if tuple(shape) != spec.shape:
+        raise WeightsError(f"tensor {label} has shape {list(shape)}, but {what} requires {list(spec.shape)}")
 
 
 def _join_rows(gate, up, dtype: torch.dtype):

@@ -39,18 +39,26 @@ class Engine:
         self.eos = frozenset(steps.eos_token_ids)
         self.max_len = min(steps.max_positions, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
         self.penalties = PenaltyState(cache.spec.max_seqs, steps.vocab_size, steps.device)
-        # where decode steps replay graphs, their sampling replays one too
-        self.sampler = (SamplerGraphs(self.penalties, steps.vocab_size, cache.scratch_slot, steps.capture)
-                        if steps.capture is not None else None)
+        self.sampler = self._sampler()
+
+    def _sampler(self) -> SamplerGraphs | None:
+        """Where decode steps replay graphs, their sampling replays one too (None: eager)."""
+        capture = self.steps.capture
+        return (SamplerGraphs(self.penalties, self.steps.vocab_size, self.cache.scratch_slot, capture)
+                if capture is not None else None)
 
     @property
     def graphs(self):
-        """DeepSeek-V4's decode graphs (swappable: tests run the same engine eagerly and captured)."""
-        return self.steps.graphs
+        """DeepSeek-V4's decode graphs; None where the steps have none (DeepSeek-V4.1 decodes eagerly)."""
+        return getattr(self.steps, "graphs", None)
 
     @graphs.setter
     def graphs(self, graphs) -> None:
+        """Swap the decode graphs (tests run one engine eagerly and captured); the sampler follows their capture."""
+        if not hasattr(self.steps, "graphs"):
+            raise TypeError(f"{type(self.steps).__name__} has no decode graphs to swap: its decode steps run eagerly")
         self.steps.graphs = graphs
+        self.sampler = self._sampler()
 
     @torch.inference_mode()
     def run(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None,

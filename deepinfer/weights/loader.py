@@ -18,7 +18,7 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.errors import WeightsError
-from deepinfer.model.weights import FP32, INT, MODEL, TensorSpec, tensor_specs
+from deepinfer.model.weights import FP32, INT, MODEL, TensorSpec, check_present, check_shape, tensor_specs
 from deepinfer.weights.names import Target, classify
 from deepinfer.weights.quant import FP8_BLOCK, as_quantized, dequantize, for_kernels, is_quantized
 from tilekernels.quant import BlockQuantized, grid
@@ -177,10 +177,7 @@ def load_checkpoint(
             ckpt.ignored.append(key)
     if cfg.raw.get("tie_word_embeddings") and "lm_head.weight" not in plan and "embed_tokens.weight" in plan:
         plan["lm_head.weight"] = plan["embed_tokens.weight"]
-    missing = [name for name in specs if name not in plan]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise WeightsError(f"{model_dir}: the checkpoint lacks {len(missing)} tensor(s) the config requires: {shown}")
+    check_present(specs, plan, where=f"{model_dir}: ")
 
     block = tuple((cfg.raw.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK)
     read = ShardReader(files)
@@ -192,11 +189,7 @@ def load_checkpoint(
             tensor = _stack_experts(name, spec, sources, read, target_dtype, block, ckpt, keep_quantized)
         else:
             tensor = _one(name, sources, read, target_dtype, block, ckpt, keep_quantized)
-        if tuple(tensor.shape) != spec.shape:
-            raise WeightsError(
-                f"tensor {name} ({sources[0][1]}) has shape {list(tensor.shape)}, but the config requires "
-                f"{list(spec.shape)}"
-            )
+        check_shape(f"{name} ({sources[0][1]})", tensor.shape, spec)
         ckpt.tensors[name] = tensor.to(device)
         if progress is not None:
             progress(1)

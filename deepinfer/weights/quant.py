@@ -27,8 +27,13 @@ _FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8, getattr(torch, "float8_e8m0fnu", None))
 
 
+def stored_form(weight: torch.Tensor) -> str | None:
+    """"fp8" or "fp4" for a checkpoint tensor stored quantized (told by its dtype), None for a plain one."""
+    return "fp8" if weight.dtype in _FP8_DTYPES else "fp4" if weight.dtype in _FP4_DTYPES else None
+
+
 def is_quantized(weight: torch.Tensor) -> bool:
-    return weight.dtype in _FP8_DTYPES or weight.dtype in _FP4_DTYPES
+    return stored_form(weight) is not None
 
 
 def as_quantized(name: str, weight: torch.Tensor, scale: torch.Tensor,

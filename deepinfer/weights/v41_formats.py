@@ -13,6 +13,8 @@ every V4.1 checkpoint (`TABLE_FORMAT`).
   (`--quantization auto`): the stored one, except where the model cannot take a block-quantized weight and the
   loader dequantizes anyway: the Engram `wkv` (its projection runs in the weight's dtype), and FP8 routed experts
   (the expert kernels take FP4 only). What the kernel plan traces and benchmarks generate.
+- `loaded_format_v41`: either load's (`keep_quantized` or not): what the plan's meta weights and the memory
+  check count.
 """
 
 from __future__ import annotations
@@ -88,3 +90,11 @@ def checkpoint_format_v41(name: str, cfg: V41Config) -> Format | None:
     if fmt is None or _DENSE_ANYWAY.search(name) or (_EXPERT.match(name) and fmt[0] != "fp4"):
         return None
     return fmt
+
+
+def loaded_format_v41(name: str, cfg: V41Config, keep_quantized: bool) -> Format | None:
+    """(format, block, ue8m0) of upstream tensor `name` as `load_v41(keep_quantized=...)` hands it over, None for
+    a plain tensor: `checkpoint_format_v41` with `keep_quantized`, else only the Engram tables (`TABLE_FORMAT`)."""
+    if keep_quantized:
+        return checkpoint_format_v41(name, cfg)
+    return TABLE_FORMAT if _TABLE.match(name) else None

@@ -27,12 +27,13 @@ import torch
 
 from deepinfer.config_v41 import V41Config
 from deepinfer.errors import WeightsError
-from deepinfer.model.v41_weights import DOWN, GATE_UP, TABLE, tensor_specs
-from deepinfer.model.weights import FP32, MODEL, TensorSpec
+from deepinfer.model.v41_weights import DOWN, GATE_UP, TABLE, V41_CONFIG, tensor_specs
+from deepinfer.model.weights import FP32, MODEL, TensorSpec, check_present, check_shape
 from deepinfer.weights.loader import ShardReader, _stack_experts, checkpoint_files
 from deepinfer.weights.names import Target
-from deepinfer.weights.quant import as_quantized, for_kernels, is_quantized
-from deepinfer.weights.v41_formats import FP8_BLOCK_V41, TABLE_FORMAT, checkpoint_format_v41, quantization_config
+from deepinfer.weights.quant import as_quantized, for_kernels, is_quantized, stored_form
+from deepinfer.weights.v41_formats import (FP8_BLOCK_V41, TABLE_FORMAT, Format, checkpoint_format_v41,
+                                           quantization_config)
 from tilekernels.quant import BlockQuantized, is_exponent_bytes
 
 log = logging.getLogger("deepinfer.weights")
@@ -71,11 +72,7 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
             values[name] = key
         else:
             ckpt.ignored.append(key)
-    missing = [name for name in specs if name not in values]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise WeightsError(f"{model_dir}: the checkpoint lacks {len(missing)} tensor(s) the V4.1 config requires: "
-                           f"{shown}")
+    check_present(specs, values, V41_CONFIG, f"{model_dir}: ")
     qc = quantization_config(cfg.raw)
     block = qc["weight_block_size"] if qc else FP8_BLOCK_V41
     read = ShardReader(files)
@@ -106,8 +103,8 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
 
 
 def _one(name: str, spec: TensorSpec, key: str, scale_key: str | None, read, dtype: torch.dtype,
-         block: tuple[int, int], keep: tuple | None, ckpt: V41Checkpoint) -> torch.Tensor | BlockQuantized:
-    """One tensor: plain (cast), quantized kept (`keep`: the format it keeps) or dequantized; shape checked."""
+         block: tuple[int, int], kept: Format | None, ckpt: V41Checkpoint) -> torch.Tensor | BlockQuantized:
+    """One tensor: plain (cast), quantized kept (`kept`: the format it may keep) or dequantized; shape checked."""
     tensor = read(key)
     label = f"{name} ({key})" if key != name else name
     target = torch.float32 if spec.kind == FP32 else dtype
@@ -116,7 +113,7 @@ def _one(name: str, spec: TensorSpec, key: str, scale_key: str | None, read, dty
         q = as_quantized(label, tensor, read(scale_key), TABLE_BLOCK if spec.kind == TABLE else block)
         if spec.kind == TABLE:
             tensor = q
-        elif keep is not None and keep[0] == q.format:
+        elif kept is not None and kept[0] == q.format:
             tensor = kernel_form(label, q)
         else:
             tensor = q.dequantize(target)
@@ -125,9 +122,7 @@ def _one(name: str, spec: TensorSpec, key: str, scale_key: str | None, read, dty
                            f"{name[: -len('weight')]}scale beside it")
     else:
         tensor = tensor.to(target)
-    if tuple(tensor.shape) != spec.shape:
-        raise WeightsError(f"tensor {label} has shape {list(tensor.shape)}, but the V4.1 config requires "
-                           f"{list(spec.shape)}")
+    check_shape(label, tensor.shape, spec, V41_CONFIG)
     return tensor
 
 
@@ -155,14 +150,10 @@ def _experts(prefix: str, cfg: V41Config, values: dict[str, str], scales: dict[s
                     sources.append((Target("expert", stacked, scale=True, expert=i, part=part), scales[name]))
         first = f"{prefix}experts.0.{parts[0][1]}.weight"
         fmt = checkpoint_format_v41(first, cfg) if keep else None
-        kept = fmt is not None and first in scales and _format_of(read(values[first])) == fmt[0]
+        kept = fmt is not None and first in scales and stored_form(read(values[first])) == fmt[0]
         tensor = _stack_experts(stacked, TensorSpec(shape, MODEL), sources, read, dtype, block, ckpt, kept)
         out[stacked] = kernel_form(stacked, tensor) if isinstance(tensor, BlockQuantized) else tensor
     return out
-
-
-def _format_of(tensor: torch.Tensor) -> str | None:
-    return "fp8" if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else "fp4" if is_quantized(tensor) else None
 
 
 def bare_name(key: str) -> str:
