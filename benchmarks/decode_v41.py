@@ -250,24 +250,35 @@ def timed(fn, device, budget_s: float, most: int) -> tuple[float, int, float]:
 
 
 def decode_point(model, batch: int, context: int, bw: float, budget_s: float, gen) -> dict:
-    """Steps of `batch` sequences each `context` deep: a synthetic cache (zeros, token counts set), one one-token
-    chunk per sequence; the counts are reset before every step, so every step decodes position `context`."""
+    """Steps of `batch` sequences each `context` deep: a synthetic cache (zeros, token counts set; one more slot:
+    the graphs' scratch), one one-token chunk per sequence; the counts are reset before every step, so every step
+    decodes position `context`. On a GPU also the step replayed from a CUDA graph (`V41DecodeGraphs`), reported
+    as `step_ms` (the eager step: `eager_ms`)."""
     from deepinfer.model.v41_compress import Chunk
 
     cfg, device = model.cfg, model.weights.embed.device
-    cache = model.new_cache(batch, context + 1)
+    cache = model.new_cache(batch + 1, context + 1)
     ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=device)
     chunks = [Chunk(i, i, 1, context) for i in range(batch)]
 
     def step():
-        cache.num_tokens = [context] * batch
+        cache.num_tokens = [context] * (batch + 1)
         model.forward(cache, ids, chunks)
 
     ms, iters, peak = timed(step, device, budget_s, 20)
+    row = dict(eager_ms=ms)
+    if device.type == "cuda":
+        from backends.nvidia.graphs import CudaGraphs
+        from deepinfer.runtime.v41_graphs import V41DecodeGraphs
+
+        graphs = V41DecodeGraphs(model, cache, batch, batch, CudaGraphs())
+        token_ids, at, slots = ids.tolist(), [context] * batch, list(range(batch))
+        ms, iters, graph_peak = timed(lambda: graphs.run(token_ids, at, slots), device, budget_s, 50)
+        peak = max(peak, graph_peak)
     floor = decode_floor(cfg, batch, context)
     return dict(context=context, batch=batch, step_ms=ms, iters=iters, tok_s=batch / ms * 1e3, floor_bytes=floor,
                 floor_ms=floor["total"] / (bw * 1e9) * 1e3, ratio=ms * bw * 1e6 / floor["total"],
-                cache_gb=nbytes(cache) / 1e9, peak_gb=peak)
+                cache_gb=nbytes(cache) / 1e9, peak_gb=peak, **row)
 
 
 def prefill_point(model, n: int, chunk: int, bw: float, budget_s: float, gen) -> dict:
@@ -334,11 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
     res = dict(device=name, date=str(datetime.date.today()), commit=args.commit, tiny=tiny, copy_gbs=bw,
                weights_gb=nbytes(weights) / 1e9, setup_s=time.perf_counter() - begin, decode=[], prefill=[], skipped=[])
     log(f"# {name} | {res['date']} | commit {args.commit} | copy {bw:.0f} GB/s | weights {res['weights_gb']:.1f} GB "
-        f"| setup {res['setup_s']:.0f} s\n| context | batch | step ms | tok/s | floor ms | step / floor | cache GB | "
-        f"peak GB |\n|---|---|---|---|---|---|---|---|")
+        f"| setup {res['setup_s']:.0f} s\n| context | batch | step ms | tok/s | floor ms | step / floor | eager ms | "
+        f"cache GB | peak GB |\n|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(1)
     for context, batch in [(c, b) for c in contexts for b in batches]:
-        need = nbytes(V41Cache.empty(cfg, batch, context + 1, dtype, "meta"))
+        need = nbytes(V41Cache.empty(cfg, batch + 1, context + 1, dtype, "meta"))
         if cuda:
             torch.cuda.empty_cache()  # the last point's cache back to the device before asking what is free
         if cuda and need + 6e9 > torch.cuda.mem_get_info(device)[0]:  # 6 GB for the step's activations
@@ -349,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
             row = decode_point(model, batch, context, bw, budget, gen)
         res["decode"].append(row)
         log(f"| {context} | {batch} | {row['step_ms']:.2f} | {row['tok_s']:.0f} | {row['floor_ms']:.3f} | "
-            f"{row['ratio']:.1f}x | {row['cache_gb']:.2f} | {row['peak_gb']:.1f} |")
+            f"{row['ratio']:.1f}x | {row['eager_ms']:.2f} | {row['cache_gb']:.2f} | {row['peak_gb']:.1f} |")
     for n in prefills:
         with torch.inference_mode():
             row = prefill_point(model, n, chunk, bw, 2 * budget, gen)

@@ -187,7 +187,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     weights_size = v41_weight_bytes(cfg, dtype, keep)
 
     def cache_bytes(spec) -> int:
-        meta = V41Cache.empty(cfg, spec.max_seqs, spec.max_tokens, dtype, "meta")
+        meta = V41Cache.empty(cfg, spec.max_seqs + 1, spec.max_tokens, dtype, "meta")  # + the scratch slot
         return sum(t.numel() * t.element_size() for t in dense_tensors(meta))
 
     _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
@@ -205,7 +205,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB "
               + ("(FP8/FP4 kept)" if kept else "(dense ones dequantized)")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB (V4.1: dense per slot)")
-    return Assembled(model, cache, V41Steps(model, cache), weights_size, report)
+    return Assembled(model, cache, V41Steps(model, cache, backend.capture), weights_size, report)
 
 
 def progress_bar(enabled: bool, desc: str, total: int | None = None):

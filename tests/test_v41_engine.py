@@ -100,6 +100,27 @@ def test_cli_runs_offline_on_a_v41_directory(path):
     assert "V4.1 encoding" in result.stderr and "backend reference" in result.stderr
 
 
+def test_decode_graphs_give_the_eager_steps_tokens(path, llm):
+    """Decode steps through `V41DecodeGraphs` (static inputs padded to a batch bucket with the scratch slot, the
+    indexers over every entry a slot can hold) under a stand-in capture that replays eagerly into the captured
+    output buffer, as a CUDA graph does: the eager steps' greedy tokens, requests of three lengths batched."""
+    from deepinfer.runtime.v41_steps import V41Steps
+
+    def capture(fn):
+        out = fn()
+        return out, lambda: out.copy_(fn())
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [{"token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (21, 6, 13)]
+    graphed = deepinfer.LLM(path, max_num_seqs=4)
+    eager = graphed.engine.steps
+    graphed.engine.steps = V41Steps(eager.model, eager.cache, capture)
+    params = [greedy(n) for n in (12, 5, 8)]  # the batch shrinks 3 -> 2 -> 1: buckets 4, 2 and 1
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert sorted(graphed.engine.steps.decode_graphs._graphs) == [1, 2, 4]
+
+
 def test_compile_builds_the_v41_kernel_set(path, c_kernel_cache):
     """`deepinfer compile --model <V4.1 dir>` plans V4.1's kernels (its own ops among them) and builds them; the
     c-kernel test below then finds them in the cache."""

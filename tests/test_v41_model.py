@@ -82,7 +82,7 @@ def test_one_token_steps_from_the_start_equal_one_shot_prefill(name):
     model = fx.model()
     t, p = fx.ref["tokens"], fx.prompt_len
     want = [model.prefill(model.new_cache(1, MAX_LEN), t[i, :p], 0) for i in range(2)]
-    cache = model.new_cache(2, MAX_LEN)
+    cache = model.new_cache(2, p)  # exactly the prompt: b's 27 positions end in an open ratio-2 group
     rows = [[model.forward(cache, t[0, :1], [Chunk(0, 0, 1, 0)])[0]], []]
     for s in range(1, p):
         got = model.forward(cache, torch.stack([t[0, s], t[1, s - 1]]), [Chunk(0, 0, 1, s), Chunk(1, 1, 1, s - 1)])

@@ -27,6 +27,7 @@ from deepinfer.model.rope import inv_freq
 from deepinfer.model.v41_attention import LayerContext, attention
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_compress import Chunk, Published
+from deepinfer.model.v41_decode import DecodeBatch
 from deepinfer.model.v41_weights import Engram41, V41Weights
 from tilekernels import OpTable
 
@@ -104,13 +105,32 @@ class DeepseekV41:
                 raise ValueError(f"the chunk of slot {ch.slot} starts at {ch.t0}, but the slot holds "
                                  f"{cache.num_tokens[ch.slot]} tokens")
         pos = torch.cat([torch.arange(ch.t0, ch.t0 + ch.length) for ch in chunks]).to(ids.device)
-        rows = self._engram_rows(cache, ids, chunks)
-        logits = self._layers(cache, ids, pos, chunks, rows, logit_rows)
+        if all(ch.length == 1 for ch in chunks):  # a decode step: every sequence at once (`v41_decode`)
+            # the indexers score every entry a slot can hold (masked past each sequence's own), as a captured step
+            # must: eager and replayed steps launch the same kernels on the same shapes
+            step = DecodeBatch(torch.tensor(slots, device=ids.device), pos, cache.max_len - 1)
+            logits = self.decode_step(cache, ids, step)
+            if logit_rows is not None:
+                logits = logits[logit_rows]
+        else:
+            logits = self._layers(cache, ids, pos, chunks, self._engram_rows(cache, ids, chunks), logit_rows)
         for ch in chunks:
             cache.num_tokens[ch.slot] += ch.length
         return logits
 
-    def _layers(self, cache: V41Cache, ids: torch.Tensor, pos: torch.Tensor, chunks: list[Chunk],
+    def decode_step(self, cache: V41Cache, ids: torch.Tensor, step: DecodeBatch) -> torch.Tensor:
+        """One token per sequence -> fp32 logits [B, V], tensor work only: no checks, no host reads, the token
+        counts untouched (what a decode graph captures; `forward` checks and counts)."""
+        rows = None
+        if self.hasher is not None:  # the sequences' n-grams: the classes of their last max_ngram positions
+            back = self.hasher.multipliers.shape[1] - 1
+            seen = step.t.view(-1, 1) + torch.arange(-back, 1, device=ids.device)
+            cache.classes[step.slot, step.t] = self.hasher.classes_of(ids)
+            history = torch.where(seen >= 0, cache.classes[step.slot.view(-1, 1), seen.clamp(min=0)], DEAD)
+            rows = self.hasher.hashes(history)[:, 0]
+        return self._layers(cache, ids, step.t, step, rows, None)
+
+    def _layers(self, cache: V41Cache, ids: torch.Tensor, pos: torch.Tensor, chunks: list[Chunk] | DecodeBatch,
                 engram_rows: torch.Tensor | None, logit_rows: torch.Tensor | None) -> torch.Tensor:
         cfg, ops, w = self.cfg, self.ops, self.weights
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
@@ -132,7 +152,9 @@ class DeepseekV41:
             f = moe(ops, layer.moe, f, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
                     self._swiglu_limit)
             h = ops.hc_post(h, f, post, comb)
-        if logit_rows is None:
+        if isinstance(chunks, DecodeBatch):
+            logit_rows = slice(None)
+        elif logit_rows is None:
             logit_rows = torch.tensor([ch.start + ch.length - 1 for ch in chunks], device=h.device)
         out = ops.rms_norm(ops.hc_collapse(h[logit_rows], pre[logit_rows]), w.norm, eps)
         # the reference's head runs in fp32; a kernel table takes one dtype, so the head's own (fp32 on the reference
@@ -156,13 +178,6 @@ class DeepseekV41:
         if self.hasher is None:
             return None
         back = self.hasher.multipliers.shape[1] - 1
-        if all(ch.length == 1 for ch in chunks):  # a decode step: every sequence's n-grams at once
-            dev = ids.device
-            slot = torch.tensor([ch.slot for ch in chunks], device=dev).view(-1, 1)
-            seen = torch.tensor([ch.t0 for ch in chunks], device=dev).view(-1, 1) + torch.arange(-back, 1, device=dev)
-            cache.classes[slot[:, 0], seen[:, -1]] = self.hasher.classes_of(ids)
-            history = torch.where(seen >= 0, cache.classes[slot, seen.clamp(min=0)], DEAD)
-            return self.hasher.hashes(history)[:, 0]
         out = []
         for ch in chunks:
             t0, end = ch.t0, ch.t0 + ch.length

@@ -17,7 +17,7 @@ from deepinfer.model.attention import output_projection
 from deepinfer.model.compressor import RopeTables
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_compress import Chunk, CompressContext, Published, compress, select
-from deepinfer.model.v41_decode import decode_attention
+from deepinfer.model.v41_decode import DecodeBatch, decode_attention
 from deepinfer.model.v41_weights import Layer41, key_owner
 from tilekernels import OpTable
 
@@ -50,9 +50,10 @@ def fp8_round(ops: OpTable, x: torch.Tensor, group: int) -> torch.Tensor:
     return (codes.float() * scales.repeat_interleave(group, dim=-1)[:, : x.shape[-1]]).to(x.dtype)
 
 
-def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk], x: torch.Tensor,
+def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk] | DecodeBatch, x: torch.Tensor,
               pos: torch.Tensor, shared: Published) -> torch.Tensor:
-    """x [N, D] (normed attention input of every chunk's rows), pos [N] -> [N, D]."""
+    """x [N, D] (normed attention input of every chunk's rows, or of a decode step's sequences), pos [N] ->
+    [N, D]."""
     cfg, ops, a, eps = ctx.cfg, ctx.ops, w.attn, ctx.cfg.rms_norm_eps
     n, rope = x.shape[0], ctx.rope
     qr = ops.rms_norm(ops.linear(x, a.wq_a), a.q_norm, eps)
@@ -66,9 +67,8 @@ def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk
         src = x.float() if gated else x  # ratio > 1 projects and pools in fp32, as the reference does
         ckv = ops.linear(src, w.compressor.wkv)
         cscore = ops.linear(src, w.compressor.wgate) if gated else None
-    if all(ch.length == 1 for ch in chunks):  # a decode step: every sequence at once (same rows, same values)
-        out = decode_attention(ctx, w, cache, [ch.slot for ch in chunks], [ch.t0 for ch in chunks], q, kv, ckv,
-                               cscore, x, qr, pos, shared)
+    if isinstance(chunks, DecodeBatch):  # a decode step: every sequence at once (same rows, same values)
+        out = decode_attention(ctx, w, cache, chunks, q, kv, ckv, cscore, x, qr, shared)
         return output_projection(ops, out, pos, rope, cfg.o_groups, a.wo_a, a.wo_b)
     out = torch.empty_like(q)
     for i, ch in enumerate(chunks):

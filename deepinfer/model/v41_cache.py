@@ -20,7 +20,7 @@ from deepinfer.errors import ConfigError
 
 @dataclass
 class CompressState:
-    latents: torch.Tensor  # [slots, max_len // ratio, head_dim]
+    latents: torch.Tensor  # [slots, ceil(max_len / ratio), head_dim]
     keys: torch.Tensor | None  # [slots, max_len // ratio, index_head_dim]
     partial_kv: torch.Tensor | None  # [slots, ratio, head_dim] fp32
     partial_score: torch.Tensor | None
@@ -48,9 +48,10 @@ class V41Cache:
             r = cfg.compress_ratios[src]
             owns_keys = src in cfg.index_source_layers
             partial = r > 1
+            groups = -(-max_len // r)  # a last, open group too: a decode step writes its placeholder (v41_decode)
             compressed[src] = CompressState(
-                torch.zeros(slots, max_len // r, d, dtype=dtype, device=device),
-                torch.zeros(slots, max_len // r, cfg.index_head_dim, dtype=dtype, device=device) if owns_keys else None,
+                torch.zeros(slots, groups, d, dtype=dtype, device=device),
+                torch.zeros(slots, groups, cfg.index_head_dim, dtype=dtype, device=device) if owns_keys else None,
                 torch.zeros(slots, r, d, device=device) if partial else None,
                 torch.zeros(slots, r, d, device=device) if partial else None,
             )

@@ -3,7 +3,8 @@ slot and block accounting on top, and prefill chunks / decode batches as `Deepse
 
 The blocks are counted, not stored: every slot holds dense tensors for `spec.max_tokens` positions, so blocks
 only bound what the scheduler admits (a smaller `num_blocks` preempts as it does for V4). The paged layout of
-V4.1's shared compressed caches and FP4 latents is later work. Decode runs eagerly (no decode graphs yet).
+V4.1's shared compressed caches and FP4 latents is later work. Decode steps replay CUDA graphs where the backend
+captures (`v41_graphs`), else run eagerly; slot `max_seqs` is the graphs' scratch slot.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from deepinfer.model.v41 import DeepseekV41
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_compress import Chunk
 from deepinfer.runtime.blocks import SeqCache, SlotBlocks
+from deepinfer.runtime.v41_graphs import V41DecodeGraphs
 from deepinfer.runtime.cache_layout import CacheSpec
 
 
 class V41SlotCache(SlotBlocks):
     def __init__(self, cfg: V41Config, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str):
         super().__init__(spec)
-        self.dense = V41Cache.empty(cfg, spec.max_seqs, spec.max_tokens, dtype, device)
+        self.dense = V41Cache.empty(cfg, spec.max_seqs + 1, spec.max_tokens, dtype, device)  # + the scratch slot
 
     def admit(self) -> SeqCache | None:
         seq = super().admit()
@@ -45,12 +47,12 @@ def dense_tensors(cache: V41Cache) -> list[torch.Tensor]:
 
 
 class V41Steps:
-    capture = None  # no decode graphs for V4.1 yet: steps run eagerly
-    last_logits = None
-
-    def __init__(self, model: DeepseekV41, cache: V41SlotCache):
+    def __init__(self, model: DeepseekV41, cache: V41SlotCache, capture=None):
+        """`capture`: the backend's graph capture (None: decode steps run eagerly)."""
         cfg = model.cfg
         self.model, self.cache = model, cache
+        self.decode_graphs = (None if capture is None else
+                              V41DecodeGraphs(model, cache.dense, cache.scratch_slot, cache.spec.max_seqs, capture))
         self.vocab_size, self.eos_token_ids, self.max_positions = (cfg.vocab_size, tuple(cfg.eos_token_ids),
                                                                    cfg.max_position_embeddings)
         self.device = model.weights.embed.device
@@ -67,11 +69,24 @@ class V41Steps:
             seq.num_tokens += length
         return logits
 
+    @property
+    def capture(self):
+        return None if self.decode_graphs is None else self.decode_graphs.capture
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        return None if self.decode_graphs is None else self.decode_graphs.last_logits
+
     def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
         if positions != [s.num_tokens for s in seqs]:
             raise AssertionError(f"decode positions {positions} differ from the sequences' token counts")
-        chunks = [Chunk(seq.slot, i, 1, seq.num_tokens) for i, seq in enumerate(seqs)]
-        logits = self.model.forward(self.cache.dense, torch.tensor(ids, device=self.device), chunks)
+        if self.decode_graphs is None:
+            chunks = [Chunk(seq.slot, i, 1, seq.num_tokens) for i, seq in enumerate(seqs)]
+            logits = self.model.forward(self.cache.dense, torch.tensor(ids, device=self.device), chunks)
+        else:  # the graph's step leaves the model's token counts to its caller
+            logits = self.decode_graphs.run(ids, positions, [seq.slot for seq in seqs])
+            for seq in seqs:
+                self.cache.dense.num_tokens[seq.slot] += 1
         for seq in seqs:
             seq.num_tokens += 1
         return logits

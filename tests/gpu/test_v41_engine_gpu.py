@@ -55,9 +55,11 @@ def check_rows(label: str, ref, ref_bf16, gpu, ids: list[int], tokens: list[int]
 
 
 @torch.inference_mode()
-def greedy(model, ids: list[int], steps: int) -> list[int]:
+def greedy(model, ids: list[int], steps: int, max_len: int | None = None) -> list[int]:
+    """Greedy tokens of `model` run directly, eager decode steps (a cache of `max_len` positions: the length sizes
+    the indexers' scored entries, hence the kernels a step launches)."""
     dev = model.weights.embed.device
-    cache = model.new_cache(1, len(ids) + steps)
+    cache = model.new_cache(1, max_len or len(ids) + steps)
     tokens = [int(model.prefill(cache, torch.tensor(ids, device=dev), 0)[-1].argmax())]
     for _ in range(steps - 1):
         tokens.append(int(model.decode(cache, torch.tensor([tokens[-1]], device=dev), [0])[0].argmax()))
@@ -82,11 +84,13 @@ def test_v41_kernels_on_the_gpu_match_the_cpu_reference(name, tmp_path, cuda):
     tokens = ref.generate([{"token_ids": ids}], params, use_tqdm=False)[0].token_ids
     want, own = check_rows(f"fixture {name}", ref.model, ref_bf16.model, gpu.model, ids, tokens)
 
-    # the engine on the GPU: a request alone gives the model's own greedy tokens (the same kernels at the same row
-    # counts); where they leave the reference's, the GPU's pick is within the bf16 margin of the reference's best
-    # logit (the V4 test's near-tie rule, its margin the bf16 reference's own error on that row)
+    # the engine on the GPU, its decode steps replayed from CUDA graphs: a request alone gives the model's own
+    # greedy tokens through eager steps (the same kernels at the same shapes); where they leave the reference's,
+    # the GPU's pick is within the bf16 margin of the reference's best logit (the V4 test's near-tie rule, its
+    # margin the bf16 reference's own error on that row)
+    assert gpu.engine.steps.decode_graphs is not None
     mine = gpu.generate([{"token_ids": ids}], params, use_tqdm=False)[0].token_ids
-    assert mine == greedy(gpu.model, ids, STEPS)
+    assert mine == greedy(gpu.model, ids, STEPS, gpu.cache.dense.max_len)
     k = next((j for j, (x, y) in enumerate(zip(tokens, mine)) if x != y), None)
     if k is not None:
         row = want[len(ids) - 1 + k]
