@@ -53,8 +53,13 @@ ODD = {
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
 }
-ALL = [(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
-IDS = [f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
+# V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
+# accumulate), on sm90 the tiles' K depth halves to fit shared memory.
+FP32 = {("linear", "gemm"): linear.Variant(512, 5120, "float32")}
+ALL = ([(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
+       + [(case, v) for case, v in FP32.items()])
+IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
+       + [f"{c[0]}.{c[1]}-fp32" for c in FP32])
 
 
 def test_every_kernel_has_a_case():

@@ -74,12 +74,13 @@ class Facade:
             return self.T.alloc_l1(shape, dtype)
         return self.T.alloc_shared(shape, dtype, scope=self.traits.operand_scope)
 
-    def alloc_acc(self, shape, dtype):
-        """A GEMM accumulator."""
+    def alloc_acc(self, shape, dtype, operands: str | None = None):
+        """A GEMM accumulator; `operands`: the MMA inputs' dtype (TileLang's tcgen05 path takes 16- and 8-bit
+        inputs: fp32 ones accumulate in registers)."""
         kind = self.traits.acc
         if kind == "l0c":
             return self.T.alloc_l0c(shape, dtype)
-        if kind == "tmem" and shape[0] in (64, 128):
+        if kind == "tmem" and shape[0] in (64, 128) and operands != "float32":
             acc = self.T.alloc_tmem(shape, dtype)
             self._barriers[id(acc)] = self.T.alloc_barrier(1)
             return acc

@@ -88,7 +88,7 @@ def body(P, v: Variant, cfg: Config):
         with P.kernel(MT * NT * G * SK, cfg.narrow_threads if v.narrow else cfg.threads) as pid:
             a_op = P.alloc_operand((BM, BK), dtype)
             b_op = P.alloc_operand((BN, BK), dtype)
-            acc = P.alloc_acc((BM, BN), "float32")
+            acc = P.alloc_acc((BM, BN), "float32", operands=dtype)
             for t in P.tiles(MT * NT * G * SK, pid):
                 ks = t % SK  # split-minor, then group-minor: neighbours share A rows
                 g = t // SK % G
