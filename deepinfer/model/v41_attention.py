@@ -82,7 +82,7 @@ def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk
                          None if cscore is None else cscore[rows])
             if w.indexer is not None:
                 keys = cache.compressed[ctx.key_owner].keys[ch.slot, : (ch.t0 + ch.length) // r]
-                shared.picks[(ctx.layer, i)] = select(ctx.compress, w.indexer, keys, ch, i, x[rows], qr[rows],
+                shared.picks[(ctx.layer, i)] = select(ctx.compress, w.indexer, keys, i, x[rows], qr[rows],
                                                       pos[rows], shared)
             picks = shared.picks[(ctx.index_source, i)]
             latents = state.latents[ch.slot, : (ch.t0 + ch.length) // r]

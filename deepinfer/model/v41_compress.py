@@ -93,12 +93,14 @@ def compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state
     state.latents[slot, first: first + n] = _round(ops, latent, LATENT_FP4)
 
 
-def select(ctx: CompressContext, w: Indexer41, keys: torch.Tensor, chunk: Chunk, chunk_index: int, x: torch.Tensor,
+def select(ctx: CompressContext, w: Indexer41, keys: torch.Tensor, chunk_index: int, x: torch.Tensor,
            qr: torch.Tensor, pos: torch.Tensor, shared: Published) -> torch.Tensor:
-    """The indexer of an index source for one chunk: x [S, D] (the attention input), qr [S, q_lora], keys [E, dI]
-    (the key owner's, E = compressed positions at the chunk's end) -> picks [S, min(index_topk, E)], -1 = none."""
+    """The indexer of an index source for the queries of one chunk (or of a decode step, `chunk_index` STEP):
+    x [S, D] (the attention input), qr [S, q_lora], pos [S], keys [E, dI] shared by the queries or [S, E, dI] one
+    set per query (the key owner's; a query sees its first (pos + 1) // ratio) -> picks [S, min(index_topk, E)],
+    -1 = none."""
     cfg, ops, r = ctx.cfg, ctx.ops, ctx.ratio
-    s, e = x.shape[0], keys.shape[0]
+    s, e = x.shape[0], keys.shape[-2]
     visible = (pos + 1) // r
     if e == 0:
         shared.candidates.setdefault(chunk_index, torch.zeros(s, 0, dtype=torch.bool, device=x.device))

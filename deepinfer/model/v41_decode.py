@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.model.v41_cache import CompressState, V41Cache
-from deepinfer.model.v41_compress import INDEX_FP4, LATENT_FP4, CompressContext, Published
+from deepinfer.model.v41_compress import INDEX_FP4, LATENT_FP4, CompressContext, Published, select
 from deepinfer.model.v41_weights import Compressor41, Indexer41, Layer41
 
 STEP = -1  # the chunk index a decode step's picks and candidate blocks are published under (all sequences)
@@ -42,7 +42,9 @@ def decode_attention(ctx, w: Layer41, cache: V41Cache, step: DecodeBatch, q: tor
             _compress(ctx.compress, w.compressor, w.indexer, state, step, ckv, cscore)
         if w.indexer is not None:
             keys = cache.compressed[ctx.key_owner].keys
-            shared.picks[(ctx.layer, STEP)] = _select(ctx.compress, w.indexer, keys, step, x, qr, shared)
+            # the keys each sequence's indexer scores: every entry a slot can hold (masked past its own)
+            seen = keys[step.slot, : (step.bound + 1) // ctx.compress.ratio]
+            shared.picks[(ctx.layer, STEP)] = select(ctx.compress, w.indexer, seen, STEP, x, qr, step.t, shared)
         picks = shared.picks[(ctx.index_source, STEP)]  # [B, k], -1: none
         b, k = picks.shape
         picked = state.latents[step.slot.view(-1, 1), picks.clamp(min=0)]  # [B, k, D]: only what the queries read
@@ -85,28 +87,3 @@ def _compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, stat
         state.keys[slot, first] = ops.fp4_act_qdq(keys, *INDEX_FP4)
     latent = ops.rope(latent, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
     state.latents[slot, first] = ops.fp4_act_qdq(latent, *LATENT_FP4)
-
-
-def _select(ctx: CompressContext, w: Indexer41, keys: torch.Tensor, step: DecodeBatch, x: torch.Tensor,
-            qr: torch.Tensor, shared: Published) -> torch.Tensor:
-    """The indexer of an index source for one token per sequence over its key owner's keys [slots, E, dI]
-    (sequence i sees its first (t[i] + 1) // r; scored: (bound + 1) // r) -> picks [B, min(index_topk, that)],
-    -1: none."""
-    cfg, ops, r = ctx.cfg, ctx.ops, ctx.ratio
-    b, seen = x.shape[0], (step.bound + 1) // r
-    visible = (step.t + 1) // r
-    if seen == 0:
-        shared.candidates.setdefault(STEP, torch.zeros(b, 0, dtype=torch.bool, device=x.device))
-        return torch.full((b, 0), -1, dtype=torch.long, device=x.device)
-    q = ops.linear(qr, w.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
-    q = ops.fp4_act_qdq(ops.rope(q, step.t, ctx.rope.inv_freq, ctx.rope.attention_factor), *INDEX_FP4)
-    weights = ops.linear(x, w.weights_proj).float() * cfg.index_n_heads**-0.5
-    scores = ops.indexer_scores(q, keys[step.slot, :seen], weights, cfg.index_head_dim**-0.5)  # [B, seen]
-    scores = scores.masked_fill(torch.arange(seen, device=x.device).view(1, -1) >= visible.view(-1, 1), float("-inf"))
-    source = cfg.candidate_source_layer
-    if source == ctx.layer:
-        shared.candidates[STEP] = ops.candidate_blocks(scores, visible, cfg.candidate_topk_blocks,
-                                                       cfg.candidate_block_size)
-    elif source is not None and source < ctx.layer:
-        scores = scores.masked_fill(~shared.candidates[STEP], float("-inf"))
-    return ops.indexer_topk(scores, visible, cfg.index_topk)
