@@ -24,7 +24,7 @@ from deepinfer.runtime.steps import ModelSteps
 
 log = logging.getLogger("deepinfer")
 GIB = 2**30
-V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 runs (eager, dense per-slot caches); `cpu` names the first
+V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 has run (dense per-slot caches); `cpu` names the first
 
 
 @dataclass(frozen=True)

@@ -121,13 +121,7 @@ class DeepseekV41:
     def decode_step(self, cache: V41Cache, ids: torch.Tensor, step: DecodeBatch) -> torch.Tensor:
         """One token per sequence -> fp32 logits [B, V], tensor work only: no checks, no host reads, the token
         counts untouched (what a decode graph captures; `forward` checks and counts)."""
-        rows = None
-        if self.hasher is not None:  # the sequences' n-grams: the classes of their last max_ngram positions
-            back = self.hasher.multipliers.shape[1] - 1
-            seen = step.t.view(-1, 1) + torch.arange(-back, 1, device=ids.device)
-            cache.classes[step.slot, step.t] = self.hasher.classes_of(ids)
-            history = torch.where(seen >= 0, cache.classes[step.slot.view(-1, 1), seen.clamp(min=0)], DEAD)
-            rows = self.hasher.hashes(history)[:, 0]
+        rows = None if self.hasher is None else self._ngram_rows(cache, ids, step.slot, step.t, 1)
         return self._layers(cache, ids, step.t, step, rows, None)
 
     def _layers(self, cache: V41Cache, ids: torch.Tensor, pos: torch.Tensor, chunks: list[Chunk] | DecodeBatch,
@@ -173,16 +167,21 @@ class DeepseekV41:
                                self.cfg.rms_norm_eps)
 
     def _engram_rows(self, cache: V41Cache, ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
-        """Record each chunk's token classes and hash the n-grams ending at its positions ->
-        [N, engram layers, (max_ngram - 1) * heads]."""
+        """Each chunk's n-gram rows -> [N, engram layers, (max_ngram - 1) * heads]."""
         if self.hasher is None:
             return None
-        back = self.hasher.multipliers.shape[1] - 1
-        out = []
-        for ch in chunks:
-            t0, end = ch.t0, ch.t0 + ch.length
-            cache.classes[ch.slot, t0:end] = self.hasher.classes_of(ids[ch.rows])
-            before = torch.full((max(0, back - t0),), DEAD, dtype=torch.int64, device=ids.device)
-            history = torch.cat([before, cache.classes[ch.slot, max(0, t0 - back): end]])
-            out.append(self.hasher.hashes(history.unsqueeze(0))[0])
-        return torch.cat(out)
+        dev = ids.device
+        return torch.cat([self._ngram_rows(cache, ids[ch.rows], torch.tensor([ch.slot], device=dev),
+                                           torch.tensor([ch.t0], device=dev), ch.length) for ch in chunks])
+
+    def _ngram_rows(self, cache: V41Cache, ids: torch.Tensor, slot: torch.Tensor, first: torch.Tensor,
+                    length: int) -> torch.Tensor:
+        """Record the classes of ids [B * length] (sequence i's tokens at positions first[i].. in cache slot
+        slot[i]) and hash the n-grams ending at each from the classes of its last max_ngram positions (DEAD before
+        the sequence start) -> [B * length, engram layers, (max_ngram - 1) * heads]. Tensor work only."""
+        back, dev = self.hasher.multipliers.shape[1] - 1, ids.device
+        at = first.view(-1, 1) + torch.arange(length, device=dev)
+        cache.classes[slot.view(-1, 1), at] = self.hasher.classes_of(ids.view(-1, length))
+        seen = first.view(-1, 1) + torch.arange(-back, length, device=dev)
+        history = torch.where(seen >= 0, cache.classes[slot.view(-1, 1), seen.clamp(min=0)], DEAD)
+        return self.hasher.hashes(history).flatten(0, 1)

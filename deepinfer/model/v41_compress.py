@@ -67,7 +67,7 @@ def compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state
              kv: torch.Tensor, score: torch.Tensor | None) -> None:
     """Feed a kv source's projected `kv` (and gate `score` for ratio > 1) of one chunk [S, head_dim]; write the
     latents (and, for a key owner, the index keys) of every group that completes."""
-    ops, r, eps, slot = ctx.ops, ctx.ratio, ctx.cfg.rms_norm_eps, chunk.slot
+    ops, r, slot = ctx.ops, ctx.ratio, chunk.slot
     if r == 1:
         first, pooled = chunk.t0, kv
     else:
@@ -83,14 +83,24 @@ def compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state
     n = pooled.shape[0]
     if n == 0:
         return
+    latent, keys = cached_forms(ctx, w, idx, state, pooled, torch.arange(first, first + n, device=pooled.device) * r)
+    if keys is not None:
+        state.keys[slot, first: first + n] = keys
+    state.latents[slot, first: first + n] = latent
+
+
+def cached_forms(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state: CompressState,
+                 pooled: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pooled groups [n, head_dim] standing for `positions` -> (their latents, their index keys when `state` holds
+    keys, else None), normed, rotated there and rounded through FP4: the values the caches hold."""
+    ops, eps = ctx.ops, ctx.cfg.rms_norm_eps
     latent = ops.rms_norm(pooled.to(state.latents.dtype), w.norm, eps)
-    positions = torch.arange(first, first + n, device=latent.device) * r
+    keys = None
     if state.keys is not None:
         keys = ops.rms_norm(ops.linear(latent, idx.wk), idx.k_norm, eps)
-        keys = ops.rope(keys, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
-        state.keys[slot, first: first + n] = _round(ops, keys, INDEX_FP4)
+        keys = _round(ops, ops.rope(keys, positions, ctx.rope.inv_freq, ctx.rope.attention_factor), INDEX_FP4)
     latent = ops.rope(latent, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
-    state.latents[slot, first: first + n] = _round(ops, latent, LATENT_FP4)
+    return _round(ops, latent, LATENT_FP4), keys
 
 
 def select(ctx: CompressContext, w: Indexer41, keys: torch.Tensor, chunk_index: int, x: torch.Tensor,

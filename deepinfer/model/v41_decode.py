@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.model.v41_cache import CompressState, V41Cache
-from deepinfer.model.v41_compress import INDEX_FP4, LATENT_FP4, CompressContext, Published, select
+from deepinfer.model.v41_compress import CompressContext, Published, cached_forms, select
 from deepinfer.model.v41_weights import Compressor41, Indexer41, Layer41
 
 STEP = -1  # the chunk index a decode step's picks and candidate blocks are published under (all sequences)
@@ -72,18 +72,14 @@ def _compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, stat
     ratio r > 1 puts the token in its slot's open group and pools the group. Where the token does not close its
     group the pooled row is a placeholder written at that open group's entry, which no query sees before the
     token that closes it rewrites it (entries seen: (t + 1) // r): so no row needs a host-side branch."""
-    ops, r, eps, slot, t = ctx.ops, ctx.ratio, ctx.cfg.rms_norm_eps, step.slot, step.t
+    ops, r, slot, t = ctx.ops, ctx.ratio, step.slot, step.t
     if r > 1:
         fill = t % r
         state.partial_kv[slot, fill] = kv.float()
         state.partial_score[slot, fill] = score.float()
         kv = ops.compress_pool(state.partial_kv[slot], state.partial_score[slot])  # [B, r, D] -> [B, D]
     first = t // r
-    latent = ops.rms_norm(kv.to(state.latents.dtype), w.norm, eps)
-    positions = first * r
-    if state.keys is not None:
-        keys = ops.rms_norm(ops.linear(latent, idx.wk), idx.k_norm, eps)
-        keys = ops.rope(keys, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
-        state.keys[slot, first] = ops.fp4_act_qdq(keys, *INDEX_FP4)
-    latent = ops.rope(latent, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
-    state.latents[slot, first] = ops.fp4_act_qdq(latent, *LATENT_FP4)
+    latent, keys = cached_forms(ctx, w, idx, state, kv, first * r)
+    if keys is not None:
+        state.keys[slot, first] = keys
+    state.latents[slot, first] = latent

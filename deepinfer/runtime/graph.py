@@ -16,6 +16,11 @@ from deepinfer.model.model import DeepseekV4
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes a graph is captured for (a step runs in the smallest that holds it)."""
+    return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
+
+
 @dataclass
 class _Bucket:
     inputs: DecodeInputs
@@ -28,7 +33,7 @@ class DecodeGraphs:
                  capture: Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], Any]]] | None):
         """`capture(fn)` runs fn under a graph capture and returns (its output, replay); None = eager."""
         self.model, self.cache, self.capture = model, cache, capture
-        self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
+        self.buckets = batch_buckets(max_batch)
         self._graphs: dict[int, _Bucket] = {}
         self.last_logits: torch.Tensor | None = None  # the bucket-sized logits buffer of the last replayed step
 

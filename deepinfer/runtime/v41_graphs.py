@@ -14,7 +14,7 @@ import torch
 from deepinfer.model.v41 import DeepseekV41
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_decode import DecodeBatch
-from deepinfer.runtime.graph import DEFAULT_BUCKETS
+from deepinfer.runtime.graph import batch_buckets
 
 
 @dataclass
@@ -31,7 +31,7 @@ class V41DecodeGraphs:
         """`cache` holds `scratch_slot` beside the sequences' slots; `capture(fn)` runs fn under a graph capture
         and returns (its output, replay)."""
         self.model, self.cache, self.scratch, self.capture = model, cache, scratch_slot, capture
-        self.buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
+        self.buckets = batch_buckets(max_batch)
         self._graphs: dict[int, _Bucket] = {}
         self.last_logits: torch.Tensor | None = None  # the bucket-sized logits buffer of the last replayed step
 
