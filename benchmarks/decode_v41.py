@@ -68,8 +68,10 @@ def per_query(cfg, layer: int, pos: torch.Tensor):
 
 
 def decode_floor(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float]:
-    """Bytes one decode step (one token per sequence, each `context` positions deep; the cache at `elt` bytes per
-    value: V41Cache keeps it in the model dtype) must read, by part."""
+    """Bytes one decode step (one token per sequence, each `context` positions deep) must read, by part: the
+    window rows at `elt` bytes per value (V41Cache keeps them in the model dtype), the latents and index keys at
+    their FP4 storage (half a byte per value and a scale byte per group)."""
+    from deepinfer.model.v41_cache import INDEX_FP4, LATENT_FP4
     from deepinfer.model.v41_weights import TABLE, tensor_specs
     from deepinfer.weights.v41_formats import checkpoint_format_v41
 
@@ -89,8 +91,8 @@ def decode_floor(cfg, batch: int, context: int, elt: int = 2) -> dict[str, float
     for layer in range(cfg.num_hidden_layers):
         win, lat, key = (float(x) for x in per_query(cfg, layer, torch.tensor([float(context)])))
         window += (win - 1) * cfg.head_dim * elt  # the ring's earlier rows (the step's own row is computed)
-        latents += lat * cfg.head_dim * elt
-        keys += key * cfg.index_head_dim * elt
+        latents += lat * cfg.head_dim * (0.5 + 1 / LATENT_FP4[0])
+        keys += key * cfg.index_head_dim * (0.5 + 1 / INDEX_FP4[0])
     out = dict(dense=dense, experts=experts, tokens=batch * (cfg.hidden_size * elt + engram), window=batch * window,
                index_keys=batch * keys, latents=batch * latents)  # tokens: each one's embedding and Engram rows
     out["total"] = sum(out.values())
@@ -278,7 +280,7 @@ def decode_point(model, batch: int, context: int, bw: float, budget_s: float, ge
     floor = decode_floor(cfg, batch, context)
     return dict(context=context, batch=batch, step_ms=ms, iters=iters, tok_s=batch / ms * 1e3, floor_bytes=floor,
                 floor_ms=floor["total"] / (bw * 1e9) * 1e3, ratio=ms * bw * 1e6 / floor["total"],
-                cache_gb=nbytes(cache) / 1e9, peak_gb=peak, **row)
+                cache_gb=cache.num_bytes() / 1e9, peak_gb=peak, **row)
 
 
 def prefill_point(model, n: int, chunk: int, bw: float, budget_s: float, gen) -> dict:
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"cache GB | peak GB |\n|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator(device=device).manual_seed(1)
     for context, batch in [(c, b) for c in contexts for b in batches]:
-        need = nbytes(V41Cache.empty(cfg, batch + 1, context + 1, dtype, "meta"))
+        need = V41Cache.empty(cfg, batch + 1, context + 1, dtype, "meta").num_bytes()
         if cuda:
             torch.cuda.empty_cache()  # the last point's cache back to the device before asking what is free
         if cuda and need + 6e9 > torch.cuda.mem_get_info(device)[0]:  # 6 GB for the step's activations

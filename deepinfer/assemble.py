@@ -1,6 +1,6 @@
 """A model directory (or the embedded tiny model) and the engine options -> the model, its cache and the
 `ModelSteps` the engine drives: `assemble_v4` for DeepSeek-V4 (paged cache, decode graphs, kernels where the
-backend has them), `assemble_v41` for DeepSeek-V4.1 (the CPU reference path, per-slot dense caches)."""
+backend has them), `assemble_v41` for DeepSeek-V4.1 (the CPU reference path and sm90, its paged cache)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from deepinfer.runtime.steps import ModelSteps
 
 log = logging.getLogger("deepinfer")
 GIB = 2**30
-V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 has run (dense per-slot caches); `cpu` names the first
+V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 has run; `cpu` names the first
 
 
 @dataclass(frozen=True)
@@ -153,28 +153,25 @@ def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype, keep_quantized: bool = 
     stored size (values and scales), the rest at `dtype` (fp32 ones at 4 bytes); the Engram tables FP8 always."""
     from deepinfer.model.v41_weights import tensor_specs
     from deepinfer.model.weights import FP32
-    from deepinfer.weights.v41_formats import loaded_format_v41
-    from tilekernels.quant import grid
+    from deepinfer.weights.v41_formats import loaded_format_v41, stored_bytes
 
     model = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name, spec in tensor_specs(cfg).items():
         fmt = loaded_format_v41(name, cfg, keep_quantized)
-        numel = math.prod(spec.shape)
         if fmt is None:
-            total += numel * (4 if spec.kind == FP32 else model)
-        else:  # FP4: two values a byte; scales: one exponent byte (ue8m0) or fp32
-            form, block, ue8m0 = fmt
-            total += numel // (2 if form == "fp4" else 1) + math.prod(grid(*spec.shape, block)) * (1 if ue8m0 else 4)
+            total += math.prod(spec.shape) * (4 if spec.kind == FP32 else model)
+        else:
+            total += stored_bytes(spec.shape, fmt)
     return total
 
 
 def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend: Backend, dtype: torch.dtype,
                  env: Env, opts: EngineOptions) -> Assembled:
     from deepinfer.model.v41 import DeepseekV41
-    from deepinfer.model.v41_cache import V41Cache
-    from deepinfer.model.v41_weights import V41Weights
-    from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps, dense_tensors
+    from deepinfer.model.v41_cache import unit_bytes
+    from deepinfer.model.v41_weights import V41Weights, tensor_specs
+    from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps
     from deepinfer.weights.v41_formats import quantization_config
     from deepinfer.weights.v41_loader import load_v41
 
@@ -187,8 +184,8 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     weights_size = v41_weight_bytes(cfg, dtype, keep)
 
     def cache_bytes(spec) -> int:
-        meta = V41Cache.empty(cfg, spec.max_seqs + 1, spec.max_tokens, dtype, "meta")  # + the scratch slot
-        return sum(t.numel() * t.element_size() for t in dense_tensors(meta))
+        block, slot = unit_bytes(cfg, spec.max_tokens, spec.block_tokens, dtype)
+        return (spec.num_blocks + 1) * block + (spec.max_seqs + 1) * slot  # + the scratch block and slot
 
     _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
     if backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
@@ -197,14 +194,21 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
         prebuild(backend.kernel_target, cfg, str(dtype).removeprefix("torch."), env.cache_dir, opts.show_progress,
                  quantized=keep)
-    ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep)
+    bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
+    ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep,
+                    progress=None if bar is None else bar.update)
+    if bar is not None:
+        bar.close()
     model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
-    cache = V41SlotCache(cfg, cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
-                                         opts.gpu_memory_utilization), dtype, backend.device)
+    spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
+                      opts.gpu_memory_utilization,
+                      unit=lambda probe: unit_bytes(cfg, probe.max_tokens, probe.block_tokens, dtype))
+    cache = V41SlotCache(cfg, spec, dtype, backend.device)
     kept = keep and quantization_config(cfg.raw) is not None
     report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB "
               + ("(FP8/FP4 kept)" if kept else "(dense ones dequantized)")
-              + f", cache {cache.num_bytes() / GIB:.2f} GiB (V4.1: dense per slot)")
+              + f", cache {cache.num_bytes() / GIB:.2f} GiB ({spec.num_blocks} blocks of {spec.block_tokens} "
+              f"positions, FP4 latents and index keys)")
     return Assembled(model, cache, V41Steps(model, cache, backend.capture), weights_size, report)
 
 

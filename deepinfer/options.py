@@ -4,7 +4,7 @@ geometry and size against the memory that must hold it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,17 +29,23 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
-               num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128) -> CacheSpec:
+               num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128,
+               unit: Callable[[CacheSpec], tuple[int, int]] | None = None) -> CacheSpec:
     """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
     `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
-    enough for every slot at full length."""
+    enough for every slot at full length. `unit(spec)` -> (bytes per block, bytes per slot) of the model's
+    cache (default: V4's `CacheLayout`)."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
         num_blocks = max_seqs * per_seq
         if memory is not None:
-            unit = CacheLayout.build(cfg, CacheSpec(0, max_seqs, per_seq, block_tokens), dtype)
-            per_block, per_slot = unit.block_bytes, unit.slot_bytes
+            probe = CacheSpec(0, max_seqs, per_seq, block_tokens)
+            if unit is None:
+                layout = CacheLayout.build(cfg, probe, dtype)
+                per_block, per_slot = layout.block_bytes, layout.slot_bytes
+            else:
+                per_block, per_slot = unit(probe)
             free, _ = memory
             budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
             if budget < 2 * per_block:  # one block and the scratch block

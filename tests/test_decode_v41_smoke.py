@@ -52,10 +52,12 @@ def test_floor_arithmetic_by_hand(tiny):
     assert floor["experts"] == pytest.approx(7 * 8 * (1 - 27 / 64) * 3264)
     # window 8: 7 earlier rows of 64 bf16 values per layer and sequence
     assert floor["window"] == 3 * 7 * (7 * 64 * 2)
-    # 5 compressed layers read their top-6 latents: ratio 2 sees 41 // 2 = 20, ratio 1 sees 41
-    assert floor["latents"] == 3 * 5 * (6 * 64 * 2)
-    # index keys (32 wide): layer 2 scores 20, layer 4 (the candidate source) 41, layer 5 its 3 blocks of 4
-    assert floor["index_keys"] == 3 * (20 + 41 + 12) * 32 * 2
+    # 5 compressed layers read their top-6 latents: ratio 2 sees 41 // 2 = 20, ratio 1 sees 41; FP4 as stored: 32
+    # bytes of codes and 4 e4m3 scale bytes per 64-wide latent
+    assert floor["latents"] == 3 * 5 * (6 * (32 + 4))
+    # index keys (32 wide, 16 bytes of codes and one ue8m0 byte): layer 2 scores 20, layer 4 (the candidate
+    # source) 41, layer 5 its 3 blocks of 4
+    assert floor["index_keys"] == 3 * (20 + 41 + 12) * (16 + 1)
     # per token: the embedding row and 3 n-gram sizes x 2 heads Engram rows of 32 FP8 values + a scale
     assert floor["tokens"] == 3 * (64 * 2 + 6 * 33)
     win, lat, keys = bench.per_query(tiny, 5, torch.arange(10.0))

@@ -83,6 +83,15 @@ def test_fp8_and_fp4_weights_are_dequantized_with_their_blocks():
     assert ckpt.quantized == n_fp8 + n_fp4 and n_fp4 == 8 * 4 * 3
 
 
+def test_progress_ticks_once_per_tensor_of_the_specs():
+    """As V4's `load_checkpoint(progress=...)`: `progress(1)` per tensor, routed experts counted one by one as
+    they join their stacks, so a bar of `len(tensor_specs(cfg))` steps ends full."""
+    fx = fixture("b_faithful")
+    ticks: list[int] = []
+    ckpt = load_v41(fx.path, fx.cfg, progress=ticks.append)
+    assert ticks == [1] * len(tensor_specs(fx.cfg)) and len(ckpt.tensors) < len(ticks)
+
+
 def copy_with(tmp_path, name, change, config=None):
     """The fixture `name` copied to tmp_path with its tensors passed through `change(dict)`."""
     src = FIXTURES / name
@@ -150,6 +159,9 @@ def test_draft_blocks_are_loaded(tmp_path):
     assert set(weights.drafts) == set(draft_specs(cfg)) and len(weights.drafts) == 39
     assert weights.drafts["mtp.0.main_proj.weight"].shape == (64, 192)
     assert torch.equal(weights.drafts["mtp.0.ffn.experts.3.w1.weight"], drafts["mtp.0.ffn.experts.3.w1.weight"].float())
+    ticks: list[int] = []  # V4's progress semantics: one tick per tensor, draft experts one by one too
+    load_v41(tmp_path, cfg, progress=ticks.append)
+    assert ticks == [1] * len(tensor_specs(cfg))
     missing = dict(drafts)
     del missing["mtp.0.confidence_head.proj.weight"]
     cfg = copy_with(tmp_path, "a", lambda t: t.update(missing), with_drafts)

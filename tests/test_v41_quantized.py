@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -18,14 +19,18 @@ from deepinfer.config_v41 import V41Config
 from deepinfer.errors import ConfigError, WeightsError
 from deepinfer.model.v41 import DeepseekV41
 from deepinfer.model.v41_weights import DOWN, GATE_UP, TABLE, V41Weights, tensor_specs
+from deepinfer.model.weights import FP32
 from deepinfer.runtime.sampling import SamplingParams
+from deepinfer.weights import v41_loader
+from deepinfer.weights.loader import ShardReader
 from deepinfer.weights.quant import as_quantized
-from deepinfer.weights.v41_formats import checkpoint_format_v41, stored_format_v41
+from deepinfer.weights.v41_formats import (checkpoint_format_v41, loaded_format_v41, stored_bytes,
+                                           stored_format_v41)
 from deepinfer.weights.v41_loader import kernel_form, load_v41
 from tests.helpers import w8a8_reference
 from tests.test_config_v41 import HF
 from tests.v41_dirs import quantized_model_dir
-from tilekernels.quant import BlockQuantized
+from tilekernels.quant import BlockQuantized, is_exponent_bytes, quantize
 
 GAP = 0.1  # greedy tokens compared where the top-2 gap exceeds this (tests/test_v41_engine.py)
 
@@ -125,6 +130,76 @@ def test_experts_given_one_by_one_stack_as_the_loader_stacks_them(qdir, cfg):
         assert isinstance(a, BlockQuantized) and torch.equal(a.values, b.values) and torch.equal(a.scales, b.scales)
     shared = stacked.shared_gate_up
     assert isinstance(shared, BlockQuantized) and tuple(shared.shape) == (64, 64)  # w1 over w3 on a block edge
+
+
+def _counting_reads(monkeypatch) -> Counter:
+    """Every `read(key)` the V4.1 loader makes, counted by key."""
+    reads: Counter = Counter()
+
+    class Counting(ShardReader):
+        def __call__(self, key):
+            reads[key] += 1
+            return super().__call__(key)
+
+    monkeypatch.setattr(v41_loader, "ShardReader", Counting)
+    return reads
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_each_tensor_is_read_once_and_progress_ticks_once_per_tensor(qdir, cfg, keep, monkeypatch):
+    """Routed expert 0 included (its form decides whether the stack stays FP4): every checkpoint tensor the model
+    uses, scales too, read exactly once; `progress(1)` once per tensor of `tensor_specs` (V4's semantics), a
+    routed expert's as it joins its stack."""
+    reads = _counting_reads(monkeypatch)
+    ticks: list[int] = []
+    ckpt = load_v41(qdir, cfg, keep_quantized=keep, progress=ticks.append)
+    assert set(reads) == set(load_file(str(qdir / "model.safetensors"))) - set(ckpt.ignored) - set(ckpt.vision)
+    assert max(reads.values()) == 1, [k for k, n in reads.items() if n > 1]
+    assert ticks == [1] * len(tensor_specs(cfg))
+    assert isinstance(ckpt.tensors[f"layers.0.ffn.{GATE_UP}"], BlockQuantized) == keep
+
+
+def test_an_expert_in_another_format_mid_stack_dequantizes_the_stack(tmp_path, qdir, cfg, monkeypatch):
+    """An FP8 routed expert (layer 1, expert 3's up half) among FP4 ones: the layer's gate/up stack cannot stay
+    FP4, so the experts stacked before it are dequantized in place and the rest dequantized as read: the same
+    tensor as `none` gives, with every tensor still read once; the layer's down stack stays FP4."""
+    key = "layers.1.ffn.experts.3.w3"
+
+    def to_fp8(t):
+        w = as_quantized(key, t[key + ".weight"], t[key + ".scale"]).dequantize()
+        q = quantize(w, "fp8", (32, 32), pow2_scales=True)
+        t[key + ".weight"], t[key + ".scale"] = q.values, q.scales
+
+    path = _damaged(tmp_path, qdir, to_fp8)
+    dense = load_v41(path, cfg).tensors
+    reads = _counting_reads(monkeypatch)
+    kept = load_v41(path, cfg, keep_quantized=True).tensors
+    assert max(reads.values()) == 1
+    gate_up = kept[f"layers.1.ffn.{GATE_UP}"]
+    assert not isinstance(gate_up, BlockQuantized) and torch.equal(gate_up, dense[f"layers.1.ffn.{GATE_UP}"])
+    assert isinstance(kept[f"layers.1.ffn.{DOWN}"], BlockQuantized)
+    assert isinstance(kept[f"layers.2.ffn.{GATE_UP}"], BlockQuantized)
+
+
+def test_stored_bytes_are_the_kept_tensors_bytes(qdir, cfg):
+    """`stored_bytes` (what the memory check counts) equals each kept tensor's bytes: 2-D FP8 32x32, stacked
+    [E, N, K] FP4 1x32, ue8m0 exponent bytes and fp32 scales; summed over the specs it is `v41_weight_bytes`."""
+    kept = load_v41(qdir, cfg, keep_quantized=True).tensors
+    quantized = [q for q in kept.values() if isinstance(q, BlockQuantized)]
+    assert {(q.format, q.values.dim()) for q in quantized} == {("fp8", 2), ("fp4", 3)}
+    for q in quantized:
+        assert stored_bytes(q.shape, (q.format, q.block, is_exponent_bytes(q.scales))) == q.nbytes
+    for form, block in (("fp8", (32, 32)), ("fp4", (1, 32))):
+        q = quantize(torch.randn(3, 40, 64), form, block)  # fp32 scales, rows off the block grid
+        assert stored_bytes(q.shape, (form, block, False)) == q.nbytes
+    for keep in (True, False):
+        plain = torch.empty((), dtype=torch.bfloat16).element_size()
+        total = 0
+        for name, spec in tensor_specs(cfg).items():
+            fmt = loaded_format_v41(name, cfg, keep)
+            numel = torch.Size(spec.shape).numel()
+            total += stored_bytes(spec.shape, fmt) if fmt else numel * (4 if spec.kind == FP32 else plain)
+        assert total == v41_weight_bytes(cfg, torch.bfloat16, keep)
 
 
 def _logits(model: DeepseekV41, prompt: torch.Tensor, steps: int) -> torch.Tensor:

@@ -76,13 +76,14 @@ def without_grids() -> OpTable:
     return OpTable(impls, DECLARED)
 
 
-def run(fx: Fixture, ops: OpTable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run(fx: Fixture, ops: OpTable | None = None, packed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixture's sequences: each prompt prefilled alone (logits of every position), then the reference's
-    tokens decoded as one batch. -> (prefill logits [B, P, V], last-position + decode logits [B, 1 + steps, V])."""
+    tokens decoded as one batch. -> (prefill logits [B, P, V], last-position + decode logits [B, 1 + steps, V]).
+    `packed` False: the cache keeps its FP4 entries unpacked (with `without_grids`, unrounded)."""
     model = fx.model(ops)
     tokens, p = fx.ref["tokens"], fx.prompt_len
     b = tokens.shape[0]
-    cache = model.new_cache(b, MAX_LEN)
+    cache = model.new_cache(b, MAX_LEN, packed)
     prefill = torch.stack([model.prefill(cache, tokens[i, :p], i) for i in range(b)])
     steps = [prefill[:, -1]]
     for s in range(fx.steps):

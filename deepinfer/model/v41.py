@@ -68,8 +68,8 @@ class DeepseekV41:
     def dtype(self) -> torch.dtype:
         return self.weights.embed.dtype
 
-    def new_cache(self, slots: int, max_len: int) -> V41Cache:
-        return V41Cache.empty(self.cfg, slots, max_len, self.dtype, self.weights.embed.device)
+    def new_cache(self, slots: int, max_len: int, packed: bool = True) -> V41Cache:
+        return V41Cache.empty(self.cfg, slots, max_len, self.dtype, self.weights.embed.device, packed=packed)
 
     def prefill(self, cache: V41Cache, ids: torch.Tensor, slot: int) -> torch.Tensor:
         """One chunk of one sequence (its first, or a continuation: chunked prefill) -> fp32 logits [S, V] of
@@ -176,12 +176,15 @@ class DeepseekV41:
 
     def _ngram_rows(self, cache: V41Cache, ids: torch.Tensor, slot: torch.Tensor, first: torch.Tensor,
                     length: int) -> torch.Tensor:
-        """Record the classes of ids [B * length] (sequence i's tokens at positions first[i].. in cache slot
-        slot[i]) and hash the n-grams ending at each from the classes of its last max_ngram positions (DEAD before
-        the sequence start) -> [B * length, engram layers, (max_ngram - 1) * heads]. Tensor work only."""
+        """Hash the n-grams ending at each of ids [B * length] (sequence i's tokens at positions first[i].. in
+        cache slot slot[i]) from the classes of its last max_ngram positions (DEAD before the sequence start), and
+        keep the last max_ngram - 1 classes in the slot's ring -> [B * length, engram layers, (max_ngram - 1) *
+        heads]. Tensor work only."""
         back, dev = self.hasher.multipliers.shape[1] - 1, ids.device
-        at = first.view(-1, 1) + torch.arange(length, device=dev)
-        cache.classes[slot.view(-1, 1), at] = self.hasher.classes_of(ids.view(-1, length))
-        seen = first.view(-1, 1) + torch.arange(-back, length, device=dev)
-        history = torch.where(seen >= 0, cache.classes[slot.view(-1, 1), seen.clamp(min=0)], DEAD)
+        ring, slot = cache.classes.shape[1], slot.view(-1, 1)
+        past = first.view(-1, 1) + torch.arange(-back, 0, device=dev)
+        history = torch.cat([torch.where(past >= 0, cache.classes[slot, past % ring], DEAD),
+                             self.hasher.classes_of(ids.view(-1, length))], dim=1)  # positions first - back..
+        kept = first.view(-1, 1) + length + torch.arange(-ring, 0, device=dev)  # distinct rows mod ring
+        cache.classes[slot, kept % ring] = history[:, -ring:]
         return self.hasher.hashes(history).flatten(0, 1)

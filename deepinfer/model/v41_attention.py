@@ -80,17 +80,18 @@ def attention(ctx: LayerContext, w: Layer41, cache: V41Cache, chunks: list[Chunk
             if w.compressor is not None:
                 compress(ctx.compress, w.compressor, w.indexer, state, ch, ckv[rows],
                          None if cscore is None else cscore[rows])
+            seen = torch.arange((ch.t0 + ch.length) // r, device=x.device)  # the entries the chunk's rows see
             if w.indexer is not None:
-                keys = cache.compressed[ctx.key_owner].keys[ch.slot, : (ch.t0 + ch.length) // r]
-                shared.picks[(ctx.layer, i)] = select(ctx.compress, w.indexer, keys, i, x[rows], qr[rows],
-                                                      pos[rows], shared)
+                owner = cache.compressed[ctx.key_owner]
+                shared.picks[(ctx.layer, i)] = select(ctx.compress, w.indexer, owner.keys, owner.rows(ch.slot, seen),
+                                                      i, x[rows], qr[rows], pos[rows], shared)
             picks = shared.picks[(ctx.index_source, i)]
-            latents = state.latents[ch.slot, : (ch.t0 + ch.length) // r]
-            if picks.numel() < latents.shape[0]:  # decode: only the picked latents join the pool (not 32K rows)
-                latents = latents[picks.clamp(min=0).flatten()]
+            if picks.numel() < seen.shape[0]:  # decode: only the picked latents join the pool (not 32K rows)
+                seen = picks.clamp(min=0).flatten()
                 picks = torch.where(picks >= 0, torch.arange(picks.numel(), device=picks.device).view_as(picks), -1)
+            latents = state.latents.read(ops, state.rows(ch.slot, seen), pool.dtype)
             comp_rows = torch.where(picks >= 0, picks + pool.shape[0], torch.full_like(picks, -1))
-            pool = torch.cat([pool, latents.to(pool.dtype)])
+            pool = torch.cat([pool, latents])
             indices = torch.cat([indices, comp_rows], dim=1)
         out[rows] = ops.sparse_attention(q[rows], pool, indices, a.sink, cfg.head_dim**-0.5)
     return output_projection(ops, out, pos, rope, cfg.o_groups, a.wo_a, a.wo_b)

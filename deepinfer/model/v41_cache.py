@@ -1,11 +1,21 @@
-"""The per-sequence state of the V4.1 CPU reference path: dense tensors per cache slot (the paged cache for
-V4.1 is later work).
+"""The per-sequence state of DeepSeek-V4.1, for many sequences at once: bounded state in per-sequence *slots*,
+state that grows with the sequence in *blocks* of `block_tokens` positions, found through one block table.
 
-- every layer: its sliding-window ring of K=V rows (post-RoPE, FP8-rounded), slot `pos % window`;
-- kv-source layers: their compressed latents (post-RoPE, FP4-rounded), read by every layer that shares them,
-  and for ratio > 1 the projected kv and gate score of the group still filling (fp32);
-- key owners (kv and index sources): their index keys (post-RoPE, FP4-rounded);
-- the Engram token classes of every position (the n-gram history).
+Per slot:
+- every layer's sliding-window ring of K=V rows (post-RoPE, FP8-rounded), row `pos % window`;
+- each ratio > 1 kv source's group still filling: projected kv and gate score (fp32);
+- the Engram token classes of the last max_ngram - 1 positions (the n-gram history), row `pos % (max_ngram - 1)`.
+
+Per block, for every kv source (each block's entries of every source, as V4's paged cache): its compressed
+latents (post-RoPE, FP4: groups of 16 with e4m3 scales) read by every layer sharing them, and for key owners
+(kv and index sources) their index keys (post-RoPE, FP4: groups of 32 with ue8m0 scales); stored as packed
+e2m1 codes and scale bytes (`fp4_pack`), read back by `fp4_gather`. A block holds block_tokens / ratio entries
+of a source; entry e of the sequence in slot s lives in block tables[s, e // per_block].
+
+`tables` is a device tensor that row lookups read with tensor ops only (a captured decode step replays them):
+the runtime writes a sequence's blocks into its slot's row (`V41SlotCache`); `empty` without `num_blocks`
+gives each slot its own blocks for `max_len` positions (a dense cache, as tests and benchmarks use it). Block
+`num_blocks` is scratch: table entries a sequence does not hold point there.
 """
 
 from __future__ import annotations
@@ -16,47 +26,135 @@ import torch
 
 from deepinfer.config_v41 import V41Config
 from deepinfer.errors import ConfigError
+from tilekernels import OpTable
+
+LATENT_FP4 = (16, "e4m3")
+INDEX_FP4 = (32, "ue8m0")
+BLOCK_TOKENS = 128
+
+
+@dataclass
+class EntryStore:
+    """Entries of one kind (a source's latents or its index keys), rounded through FP4 (`fmt`: group, scale
+    format) and stored packed (codes and scale bytes per storage row) or, unpacked, as the rounded values in the
+    model dtype (a debugging form: with the rounding ops off it stores the values exactly)."""
+
+    fmt: tuple[int, str]
+    codes: torch.Tensor | None = None  # packed: [rows, dim / 2] uint8
+    scales: torch.Tensor | None = None  # packed: [rows, dim / group] uint8
+    values: torch.Tensor | None = None  # unpacked: [rows, dim]
+
+    @classmethod
+    def empty(cls, rows: int, dim: int, fmt: tuple[int, str], packed: bool, dtype: torch.dtype,
+              device) -> EntryStore:
+        if not packed:
+            return cls(fmt, values=torch.zeros(rows, dim, dtype=dtype, device=device))
+        return cls(fmt, torch.zeros(rows, dim // 2, dtype=torch.uint8, device=device),
+                   torch.zeros(rows, dim // fmt[0], dtype=torch.uint8, device=device))
+
+    def write(self, ops: OpTable, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Round values [n, dim] through FP4 into storage rows [n]."""
+        if self.values is not None:
+            self.values[rows] = ops.fp4_act_qdq(values, *self.fmt).to(self.values.dtype)
+        else:
+            self.codes[rows], self.scales[rows] = ops.fp4_pack(values, *self.fmt)
+
+    def read(self, ops: OpTable, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Storage rows [...] -> their values [..., dim] in `dtype`."""
+        if self.values is not None:
+            return self.values[rows].to(dtype)
+        return ops.fp4_gather(self.codes, self.scales, rows, self.fmt[1], dtype)
+
+    def scores(self, ops: OpTable, q: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Index keys at storage rows [S, E] (one set per query) or [E] (shared) scored by index queries
+        q [S, nI, dI] with head weights [S, nI] (`indexer_scores`) -> [S, E] fp32; packed keys are read as
+        stored (`indexer_scores_fp4`)."""
+        if self.values is not None:
+            return ops.indexer_scores(q, self.values[rows], weights, scale)
+        return ops.indexer_scores_fp4(q, self.codes, self.scales, rows, weights, scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.values) if t is not None]
 
 
 @dataclass
 class CompressState:
-    latents: torch.Tensor  # [slots, ceil(max_len / ratio), head_dim]
-    keys: torch.Tensor | None  # [slots, max_len // ratio, index_head_dim]
-    partial_kv: torch.Tensor | None  # [slots, ratio, head_dim] fp32
+    ratio: int
+    per_block: int  # entries per block: block_tokens / ratio
+    dtype: torch.dtype  # the values' dtype as the model reads them
+    tables: torch.Tensor  # the cache's block table [slots, max_blocks] (shared by every source)
+    latents: EntryStore
+    keys: EntryStore | None  # key owners only
+    partial_kv: torch.Tensor | None  # [slots, ratio, head_dim] fp32 (ratio > 1)
     partial_score: torch.Tensor | None
+
+    def rows(self, slot: int | torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Storage rows of entries (broadcast against a tensor of slots; each entry within the table's reach)."""
+        per = self.per_block
+        return self.tables[slot, entries // per] * per + entries % per
 
 
 @dataclass
 class V41Cache:
     cfg: V41Config
     max_len: int
+    block_tokens: int
+    dtype: torch.dtype
+    tables: torch.Tensor  # [slots, max_blocks] int64
     windows: list[torch.Tensor]  # per layer [slots, window, head_dim]
     compressed: dict[int, CompressState]  # by kv-source layer
-    classes: torch.Tensor  # [slots, max_len] int64 Engram classes
+    classes: torch.Tensor  # [slots, max(max_ngram - 1, 1)] int64 Engram classes of the last positions
     num_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, cfg: V41Config, slots: int, max_len: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> V41Cache:
+              device: torch.device | str = "cpu", block_tokens: int = BLOCK_TOKENS,
+              num_blocks: int | None = None, packed: bool = True) -> V41Cache:
+        """`num_blocks` None: every slot owns the blocks for max_len positions; else a pool of `num_blocks`
+        (and a scratch block) the runtime hands out through `tables`. `packed` False: the FP4 entries kept
+        unpacked in `dtype` (`EntryStore`)."""
         if slots < 1 or max_len < 1:
             raise ConfigError(f"a V4.1 cache needs slots >= 1 and max_len >= 1, got {slots} and {max_len}")
+        ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layers})
+        if block_tokens < 1 or any(block_tokens % r for r in ratios):
+            raise ConfigError(f"block_tokens={block_tokens} must be a positive multiple of every compression "
+                              f"ratio of the model ({ratios})")
+        max_blocks = -(-max_len // block_tokens)
+        if num_blocks is None:
+            num_blocks = slots * max_blocks
+            tables = torch.arange(num_blocks, device=device).view(slots, max_blocks)
+        else:
+            tables = torch.full((slots, max_blocks), num_blocks, dtype=torch.long, device=device)
         d = cfg.head_dim
         windows = [torch.zeros(slots, cfg.sliding_window, d, dtype=dtype, device=device)
                    for _ in range(cfg.num_hidden_layers)]
         compressed = {}
         for src in cfg.kv_source_layers:
             r = cfg.compress_ratios[src]
-            owns_keys = src in cfg.index_source_layers
+            per_block = block_tokens // r
+            rows = (num_blocks + 1) * per_block
             partial = r > 1
-            groups = -(-max_len // r)  # a last, open group too: a decode step writes its placeholder (v41_decode)
             compressed[src] = CompressState(
-                torch.zeros(slots, groups, d, dtype=dtype, device=device),
-                torch.zeros(slots, groups, cfg.index_head_dim, dtype=dtype, device=device) if owns_keys else None,
+                r, per_block, dtype, tables, EntryStore.empty(rows, d, LATENT_FP4, packed, dtype, device),
+                EntryStore.empty(rows, cfg.index_head_dim, INDEX_FP4, packed, dtype, device)
+                if src in cfg.index_source_layers else None,
                 torch.zeros(slots, r, d, device=device) if partial else None,
-                torch.zeros(slots, r, d, device=device) if partial else None,
-            )
-        classes = torch.zeros(slots, max_len, dtype=torch.int64, device=device)
-        return cls(cfg, max_len, windows, compressed, classes, [0] * slots)
+                torch.zeros(slots, r, d, device=device) if partial else None)
+        back = max(cfg.engram.max_ngram - 1, 1) if cfg.engram is not None else 1
+        classes = torch.zeros(slots, back, dtype=torch.int64, device=device)
+        return cls(cfg, max_len, block_tokens, dtype, tables, windows, compressed, classes, [0] * slots)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding state."""
+        out = [self.tables, *self.windows, self.classes]
+        for state in self.compressed.values():
+            out += state.latents.tensors() + ([] if state.keys is None else state.keys.tensors())
+            out += [t for t in (state.partial_kv, state.partial_score) if t is not None]
+        return out
+
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def check_room(self, slot: int, new_tokens: int) -> None:
         if not 0 <= slot < len(self.num_tokens):
@@ -64,3 +162,11 @@ class V41Cache:
         if self.num_tokens[slot] + new_tokens > self.max_len:
             raise ValueError(f"slot {slot} holds {self.num_tokens[slot]} tokens; {new_tokens} more exceed the cache's "
                              f"max_len {self.max_len}")
+
+
+def unit_bytes(cfg: V41Config, max_len: int, block_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per block, bytes per slot) of a V4.1 cache whose slots span `max_len` positions."""
+    def size(slots: int, blocks: int) -> int:
+        return V41Cache.empty(cfg, slots, max_len, dtype, "meta", block_tokens, blocks).num_bytes()
+
+    return size(1, 2) - size(1, 1), size(2, 1) - size(1, 1)

@@ -4,8 +4,8 @@ of the index-source layers with the candidate-block pre-selection (DeepSeek's re
 at dba1be0, tools/v41_reference/NOTES.md sections 3b-3g).
 
 Latents and keys stand for the first token of their group (group g at position g * ratio): the keys are
-computed from the latent before RoPE, then both are rotated there and rounded through FP4 (latents: groups of 16
-with e4m3 scales; keys and index queries: groups of 32 with ue8m0 scales), the values their caches hold.
+computed from the latent before RoPE, then both are rotated there and stored through FP4 (latents: groups of 16
+with e4m3 scales; keys: groups of 32 with ue8m0 scales, as the index queries are rounded: `v41_cache`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ import torch
 
 from deepinfer.config_v41 import V41Config
 from deepinfer.model.compressor import RopeTables
-from deepinfer.model.v41_cache import CompressState
+from deepinfer.model.v41_cache import INDEX_FP4, CompressState, EntryStore
 from deepinfer.model.v41_weights import Compressor41, Indexer41
 from tilekernels import OpTable
-
-LATENT_FP4 = (16, "e4m3")
-INDEX_FP4 = (32, "ue8m0")
 
 
 @dataclass(frozen=True)
@@ -83,34 +80,35 @@ def compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state
     n = pooled.shape[0]
     if n == 0:
         return
-    latent, keys = cached_forms(ctx, w, idx, state, pooled, torch.arange(first, first + n, device=pooled.device) * r)
+    entries = torch.arange(first, first + n, device=pooled.device)
+    latent, keys = cached_forms(ctx, w, idx, state, pooled, entries * r)
+    rows = state.rows(slot, entries)
     if keys is not None:
-        state.keys[slot, first: first + n] = keys
-    state.latents[slot, first: first + n] = latent
+        state.keys.write(ops, rows, keys)
+    state.latents.write(ops, rows, latent)
 
 
 def cached_forms(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state: CompressState,
                  pooled: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pooled groups [n, head_dim] standing for `positions` -> (their latents, their index keys when `state` holds
-    keys, else None), normed, rotated there and rounded through FP4: the values the caches hold."""
+    keys, else None), normed and rotated there: the values the caches store (through FP4)."""
     ops, eps = ctx.ops, ctx.cfg.rms_norm_eps
-    latent = ops.rms_norm(pooled.to(state.latents.dtype), w.norm, eps)
+    latent = ops.rms_norm(pooled.to(state.dtype), w.norm, eps)
     keys = None
     if state.keys is not None:
         keys = ops.rms_norm(ops.linear(latent, idx.wk), idx.k_norm, eps)
-        keys = _round(ops, ops.rope(keys, positions, ctx.rope.inv_freq, ctx.rope.attention_factor), INDEX_FP4)
-    latent = ops.rope(latent, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
-    return _round(ops, latent, LATENT_FP4), keys
+        keys = ops.rope(keys, positions, ctx.rope.inv_freq, ctx.rope.attention_factor)
+    return ops.rope(latent, positions, ctx.rope.inv_freq, ctx.rope.attention_factor), keys
 
 
-def select(ctx: CompressContext, w: Indexer41, keys: torch.Tensor, chunk_index: int, x: torch.Tensor,
-           qr: torch.Tensor, pos: torch.Tensor, shared: Published) -> torch.Tensor:
+def select(ctx: CompressContext, w: Indexer41, keys: EntryStore, rows: torch.Tensor, chunk_index: int,
+           x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, shared: Published) -> torch.Tensor:
     """The indexer of an index source for the queries of one chunk (or of a decode step, `chunk_index` STEP):
-    x [S, D] (the attention input), qr [S, q_lora], pos [S], keys [E, dI] shared by the queries or [S, E, dI] one
-    set per query (the key owner's; a query sees its first (pos + 1) // ratio) -> picks [S, min(index_topk, E)],
-    -1 = none."""
+    x [S, D] (the attention input), qr [S, q_lora], pos [S], the key owner's index keys at storage rows [E]
+    shared by the queries or [S, E] one set per query (a query sees its first (pos + 1) // ratio) -> picks
+    [S, min(index_topk, E)], -1 = none."""
     cfg, ops, r = ctx.cfg, ctx.ops, ctx.ratio
-    s, e = x.shape[0], keys.shape[-2]
+    s, e = x.shape[0], rows.shape[-1]
     visible = (pos + 1) // r
     if e == 0:
         shared.candidates.setdefault(chunk_index, torch.zeros(s, 0, dtype=torch.bool, device=x.device))
@@ -118,7 +116,7 @@ def select(ctx: CompressContext, w: Indexer41, keys: torch.Tensor, chunk_index: 
     q = ops.linear(qr, w.wq_b).view(s, cfg.index_n_heads, cfg.index_head_dim)
     q = _round(ops, ops.rope(q, pos, ctx.rope.inv_freq, ctx.rope.attention_factor), INDEX_FP4)
     weights = ops.linear(x, w.weights_proj).float() * cfg.index_n_heads**-0.5
-    scores = ops.indexer_scores(q, keys, weights, cfg.index_head_dim**-0.5)
+    scores = keys.scores(ops, q, rows, weights, cfg.index_head_dim**-0.5)
     scores = scores.masked_fill(torch.arange(e, device=x.device).view(1, -1) >= visible.view(-1, 1), float("-inf"))
     source = cfg.candidate_source_layer
     if source == ctx.layer:

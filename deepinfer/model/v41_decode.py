@@ -41,16 +41,19 @@ def decode_attention(ctx, w: Layer41, cache: V41Cache, step: DecodeBatch, q: tor
         if w.compressor is not None:
             _compress(ctx.compress, w.compressor, w.indexer, state, step, ckv, cscore)
         if w.indexer is not None:
-            keys = cache.compressed[ctx.key_owner].keys
+            owner = cache.compressed[ctx.key_owner]
             # the keys each sequence's indexer scores: every entry a slot can hold (masked past its own)
-            seen = keys[step.slot, : (step.bound + 1) // ctx.compress.ratio]
-            shared.picks[(ctx.layer, STEP)] = select(ctx.compress, w.indexer, seen, STEP, x, qr, step.t, shared)
+            seen = torch.arange((step.bound + 1) // ctx.compress.ratio, device=dev).view(1, -1)
+            keys = owner.rows(step.slot.view(-1, 1), seen)  # [B, E]
+            shared.picks[(ctx.layer, STEP)] = select(ctx.compress, w.indexer, owner.keys, keys, STEP, x, qr, step.t,
+                                                     shared)
         picks = shared.picks[(ctx.index_source, STEP)]  # [B, k], -1: none
         b, k = picks.shape
-        picked = state.latents[step.slot.view(-1, 1), picks.clamp(min=0)]  # [B, k, D]: only what the queries read
+        # only what the queries read: [B, k, D]
+        picked = state.latents.read(ops, state.rows(step.slot.view(-1, 1), picks.clamp(min=0)), pool.dtype)
         rows = pool.shape[0] + torch.arange(b * k, device=dev).view(b, k)
         indices = torch.cat([indices, torch.where(picks >= 0, rows, -1)], dim=1)
-        pool = torch.cat([pool, picked.reshape(b * k, pool.shape[1]).to(pool.dtype)])
+        pool = torch.cat([pool, picked.reshape(b * k, pool.shape[1])])
     return ops.sparse_attention(q, pool, indices, w.attn.sink, cfg.head_dim**-0.5)
 
 
@@ -80,6 +83,7 @@ def _compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, stat
         kv = ops.compress_pool(state.partial_kv[slot], state.partial_score[slot])  # [B, r, D] -> [B, D]
     first = t // r
     latent, keys = cached_forms(ctx, w, idx, state, kv, first * r)
+    rows = state.rows(slot, first)
     if keys is not None:
-        state.keys[slot, first] = keys
-    state.latents[slot, first] = latent
+        state.keys.write(ops, rows, keys)
+    state.latents.write(ops, rows, latent)

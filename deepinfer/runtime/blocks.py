@@ -2,8 +2,7 @@
 
 A sequence holds one slot (its bounded state) and a list of blocks (`block_tokens` positions each) covering its
 positions. The scheduler admits, grows, preempts and releases through this class only; what a slot or a block
-physically holds is the subclass's business (V4's `PagedCache`: paged tensors; V4.1's `V41SlotCache`: dense
-per-slot tensors, the blocks counted only).
+physically holds is the subclass's business (V4's `PagedCache`, V4.1's `V41SlotCache`: paged tensors).
 """
 
 from __future__ import annotations

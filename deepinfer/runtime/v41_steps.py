@@ -1,10 +1,11 @@
-"""DeepSeek-V4.1 behind the engine's `ModelSteps`: its per-slot dense cache (`V41Cache`) with the scheduler's
-slot and block accounting on top, and prefill chunks / decode batches as `DeepseekV41.forward` chunks.
+"""DeepSeek-V4.1 behind the engine's `ModelSteps`: its paged cache (`V41Cache` over `spec.num_blocks` blocks) with
+the scheduler's slot and block accounting on top, and prefill chunks / decode batches as `DeepseekV41.forward`
+chunks.
 
-The blocks are counted, not stored: every slot holds dense tensors for `spec.max_tokens` positions, so blocks
-only bound what the scheduler admits (a smaller `num_blocks` preempts as it does for V4). The paged layout of
-V4.1's shared compressed caches and FP4 latents is later work. Decode steps replay CUDA graphs where the backend
-captures (`v41_graphs`), else run eagerly; slot `max_seqs` is the graphs' scratch slot.
+A sequence's blocks (handed out by `SlotBlocks`) enter its slot's row of the cache's block table as it grows,
+and leave it when it is released (preempted or finished); the compressed latents and index keys of every kv
+source live in those blocks. Decode steps replay CUDA graphs where the backend captures (`v41_graphs`), else run
+eagerly; slot `max_seqs` and block `num_blocks` are scratch.
 """
 
 from __future__ import annotations
@@ -23,27 +24,33 @@ from deepinfer.runtime.cache_layout import CacheSpec
 class V41SlotCache(SlotBlocks):
     def __init__(self, cfg: V41Config, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str):
         super().__init__(spec)
-        self.dense = V41Cache.empty(cfg, spec.max_seqs + 1, spec.max_tokens, dtype, device)  # + the scratch slot
+        self.paged = V41Cache.empty(cfg, spec.max_seqs + 1, spec.max_tokens, dtype, device,  # + the scratch slot
+                                    spec.block_tokens, spec.num_blocks)
 
     def admit(self) -> SeqCache | None:
         seq = super().admit()
         if seq is not None:  # a reused slot: every read is bounded by the token count, so this resets it
-            self.dense.num_tokens[seq.slot] = 0
+            self.paged.num_tokens[seq.slot] = 0
         return seq
 
+    def grow(self, seq: SeqCache, tokens: int) -> bool:
+        held = len(seq.blocks)
+        if not super().grow(seq, tokens):
+            return False
+        if len(seq.blocks) > held:  # the new blocks enter the slot's table row
+            new = torch.tensor(seq.blocks[held:], dtype=torch.long)
+            self.paged.tables[seq.slot, held: len(seq.blocks)] = new.to(self.paged.tables.device)
+        return True
+
+    def release(self, seq: SeqCache) -> None:
+        self.paged.tables[seq.slot] = self.scratch_block  # no stale blocks in a free slot's row
+        super().release(seq)
+
     def tensors(self) -> list[torch.Tensor]:
-        return dense_tensors(self.dense)
+        return self.paged.tensors()
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
-def dense_tensors(cache: V41Cache) -> list[torch.Tensor]:
-    """Every tensor of a V4.1 cache."""
-    out = [*cache.windows, cache.classes]
-    for state in cache.compressed.values():
-        out += [t for t in (state.latents, state.keys, state.partial_kv, state.partial_score) if t is not None]
-    return out
+        return self.paged.num_bytes()
 
 
 class V41Steps:
@@ -52,7 +59,7 @@ class V41Steps:
         cfg = model.cfg
         self.model, self.cache = model, cache
         self.decode_graphs = (None if capture is None else
-                              V41DecodeGraphs(model, cache.dense, cache.scratch_slot, cache.spec.max_seqs, capture))
+                              V41DecodeGraphs(model, cache.paged, cache.scratch_slot, cache.spec.max_seqs, capture))
         self.vocab_size, self.eos_token_ids, self.max_positions = (cfg.vocab_size, tuple(cfg.eos_token_ids),
                                                                    cfg.max_position_embeddings)
         self.device = model.weights.embed.device
@@ -63,7 +70,7 @@ class V41Steps:
             if positions[start] != seq.num_tokens:
                 raise AssertionError(f"chunk starts at {positions[start]} but the sequence holds {seq.num_tokens}")
         chunks = [Chunk(seq.slot, start, length, seq.num_tokens) for seq, start, length in seqs]
-        logits = self.model.forward(self.cache.dense, torch.tensor(ids, device=self.device), chunks,
+        logits = self.model.forward(self.cache.paged, torch.tensor(ids, device=self.device), chunks,
                                     torch.tensor(logit_rows, dtype=torch.long, device=self.device))
         for seq, _, length in seqs:
             seq.num_tokens += length
@@ -82,11 +89,11 @@ class V41Steps:
             raise AssertionError(f"decode positions {positions} differ from the sequences' token counts")
         if self.decode_graphs is None:
             chunks = [Chunk(seq.slot, i, 1, seq.num_tokens) for i, seq in enumerate(seqs)]
-            logits = self.model.forward(self.cache.dense, torch.tensor(ids, device=self.device), chunks)
+            logits = self.model.forward(self.cache.paged, torch.tensor(ids, device=self.device), chunks)
         else:  # the graph's step leaves the model's token counts to its caller
             logits = self.decode_graphs.run(ids, positions, [seq.slot for seq in seqs])
             for seq in seqs:
-                self.cache.dense.num_tokens[seq.slot] += 1
+                self.cache.paged.num_tokens[seq.slot] += 1
         for seq in seqs:
             seq.num_tokens += 1
         return logits

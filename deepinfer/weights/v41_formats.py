@@ -15,16 +15,18 @@ every V4.1 checkpoint (`TABLE_FORMAT`).
   (the expert kernels take FP4 only). What the kernel plan traces and benchmarks generate.
 - `loaded_format_v41`: either load's (`keep_quantized` or not): what the plan's meta weights and the memory
   check count.
+- `stored_bytes`: the bytes of a weight held in one of these formats (values and scales), from its shape alone.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from deepinfer.config_v41 import V41Config
 from deepinfer.errors import ConfigError
-from tilekernels.quant import FP4_BLOCK
+from tilekernels.quant import FP4_BLOCK, grid
 
 Format = tuple[str, tuple[int, int], bool]  # (fp8 | fp4, scale block (rows, columns), ue8m0 scales)
 
@@ -98,3 +100,13 @@ def loaded_format_v41(name: str, cfg: V41Config, keep_quantized: bool) -> Format
     if keep_quantized:
         return checkpoint_format_v41(name, cfg)
     return TABLE_FORMAT if _TABLE.match(name) else None
+
+
+def stored_bytes(shape: Sequence[int], fmt: Format) -> int:
+    """Bytes of a weight of logical `shape` [..., N, K] held in `fmt` (form, block, ue8m0) as `BlockQuantized`
+    holds it: values one byte each (FP8) or two a byte (FP4: [..., N, K/2]), and one scale per block of each
+    [N, K] matrix, an exponent byte (ue8m0) or fp32."""
+    *lead, rows, cols = shape
+    form, block, ue8m0 = fmt
+    values = rows * (cols // 2 if form == "fp4" else cols)
+    return math.prod(lead) * (values + math.prod(grid(rows, cols, block)) * (1 if ue8m0 else 4))

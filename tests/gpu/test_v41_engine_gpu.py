@@ -90,7 +90,7 @@ def test_v41_kernels_on_the_gpu_match_the_cpu_reference(name, tmp_path, cuda):
     # margin the bf16 reference's own error on that row)
     assert gpu.engine.steps.decode_graphs is not None
     mine = gpu.generate([{"token_ids": ids}], params, use_tqdm=False)[0].token_ids
-    assert mine == greedy(gpu.model, ids, STEPS, gpu.cache.dense.max_len)
+    assert mine == greedy(gpu.model, ids, STEPS, gpu.cache.paged.max_len)
     k = next((j for j, (x, y) in enumerate(zip(tokens, mine)) if x != y), None)
     if k is not None:
         row = want[len(ids) - 1 + k]

@@ -1,7 +1,9 @@
 """DeepSeek-V4.1's own ops through their TileLang kernels on the H200 (sm_90a) at V4.1 widths in bf16 against the
 PyTorch reference, eagerly and replayed from a CUDA graph: hidden 5120 with 4 mHC copies and 20 Sinkhorn
 iterations, FP4 latents (512 wide, groups of 16, e4m3 scales) and index queries/keys (32 heads of 128, groups of
-32, ue8m0 scales), candidate blocks of 8 (top 2048), Engram rows of 256 (FP8, ue8m0 per 32).
+32, ue8m0 scales), rounded (fp4_act_qdq) and packed into and gathered from the FP4 cache (fp4_pack, fp4_gather; the
+pack's bytes and the gather's bf16 values bit for bit), candidate blocks of 8 (top 2048), Engram rows of 256 (FP8,
+ue8m0 per 32).
 
 Run with `pytest -m gpu tests/gpu/test_v41_kernels_gpu.py` on the GPU host; build the kernels first with
 `build_kernels("sm90", v41_kernel_items(), cache_dir)` (deepinfer.compile.prebuild) or let the first call
@@ -23,16 +25,21 @@ GRAPH_TOKENS = 16
 
 def v41_variants() -> dict[str, list]:
     """op -> the variants its inputs are made for, at V4.1 widths; the inputs come from each op's `example`."""
-    from tilekernels.ops import candidate_blocks, engram_gate, engram_lookup, fp4_act_qdq, hc_collapse, hc_mixes
+    from tilekernels.ops import (candidate_blocks, engram_gate, engram_lookup, fp4_act_qdq, fp4_gather, fp4_pack,
+                                 hc_collapse, hc_mixes, indexer_scores_fp4)
 
     b = "bfloat16"
     return {
         "hc_mixes": [hc_mixes.Variant(4, 5120, 20, b)],
         "hc_collapse": [hc_collapse.Variant(4, 5120, b)],
         "fp4_act_qdq": [fp4_act_qdq.Variant(512, 16, "e4m3", b), fp4_act_qdq.Variant(128, 32, "ue8m0", b)],
+        "fp4_pack": [fp4_pack.Variant(512, 16, "e4m3", b), fp4_pack.Variant(128, 32, "ue8m0", b)],
+        "fp4_gather": [fp4_gather.Variant(512, 16, "e4m3", b), fp4_gather.Variant(128, 32, "ue8m0", b)],
         "candidate_blocks": [candidate_blocks.Variant(8, 2048)],
         "engram_gate": [engram_gate.Variant(4, 5120, b)],
         "engram_lookup": [engram_lookup.Variant(256, 32, "ue8m0", "fp8")],
+        "indexer_scores_fp4": [indexer_scores_fp4.Variant(32, 128, b, False),
+                               indexer_scores_fp4.Variant(32, 128, b, True, 4, 64)],
     }
 
 
@@ -101,3 +108,19 @@ def test_fp4_index_queries_at_the_models_shape(sm90_ops, cuda):
     for shape, group, fmt in (((300, 32, 128), 32, "ue8m0"), ((300, 512), 16, "e4m3")):
         x = (torch.randn(*shape, device=cuda) * 3).to(torch.bfloat16)
         compare("fp4_act_qdq", sm90_ops.fp4_act_qdq(x, group, fmt), DECLARED["fp4_act_qdq"].reference(x, group, fmt))
+
+
+def test_fp4_cache_round_trip_at_the_models_shape(sm90_ops, cuda):
+    """Latents [S, 512] (groups of 16, e4m3) and index keys [S, 128] (groups of 32, ue8m0) packed into the cache and
+    gathered back by storage rows out of order and repeated: the pack's bytes are the reference's, and what comes
+    back is fp4_act_qdq's rounding of the same rows, bit for bit (-0 included)."""
+    torch.manual_seed(3)
+    for width, group, fmt in ((512, 16, "e4m3"), (128, 32, "ue8m0")):
+        x = (torch.randn(300, width, device=cuda) * torch.logspace(-4, 2, 300, device=cuda)[:, None]).to(torch.bfloat16)
+        codes, scales = sm90_ops.fp4_pack(x, group, fmt)
+        compare("fp4_pack", (codes, scales), DECLARED["fp4_pack"].reference(x, group, fmt))
+        rows = torch.randperm(300, device=cuda)[:200].view(8, 25)
+        rows[:, 0] = rows[0, 0]
+        got = sm90_ops.fp4_gather(codes, scales, rows, fmt, torch.bfloat16)
+        want = DECLARED["fp4_act_qdq"].reference(x, group, fmt)[rows]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{fmt}: the round trip is not bit-exact"

@@ -12,9 +12,9 @@ import torch
 import backends
 from codegen import Compiler
 from tilekernels.kernels import request
-from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, engram_gate, engram_lookup, fp4_act_qdq, hc_collapse,
-                             hc_mixes, hc_post, hc_pre, linear, linear_fp8, moe_experts, moe_gate, rms_norm, rope,
-                             sparse_attention, swiglu)
+from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, engram_gate, engram_lookup, fp4_act_qdq,
+                             fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre, indexer_scores_fp4, linear,
+                             linear_fp8, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
 # One bf16 variant per kernel, at V4-Flash widths.
 CASES = {
@@ -35,6 +35,9 @@ CASES = {
     ("hc_mixes", "hc_mixes"): hc_mixes.Variant(4, 5120, 20, "bfloat16"),
     ("hc_collapse", "hc_collapse"): hc_collapse.Variant(4, 5120, "bfloat16"),
     ("fp4_act_qdq", "fp4_act_qdq"): fp4_act_qdq.Variant(512, 16, "e4m3", "bfloat16"),
+    ("fp4_pack", "fp4_pack"): fp4_pack.Variant(512, 16, "e4m3", "bfloat16"),  # the compressed latents
+    ("fp4_gather", "fp4_gather"): fp4_gather.Variant(512, 16, "e4m3", "bfloat16"),
+    ("indexer_scores_fp4", "indexer_scores_fp4"): indexer_scores_fp4.Variant(32, 128, "bfloat16", False),
     ("candidate_blocks", "candidate_blocks"): candidate_blocks.Variant(8, 2048),
     ("engram_gate", "engram_gate"): engram_gate.Variant(4, 5120, "bfloat16"),
     ("engram_lookup", "engram_lookup"): engram_lookup.Variant(256, 32, "ue8m0", "fp8"),
@@ -56,10 +59,13 @@ ODD = {
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.
 FP32 = {("linear", "gemm"): linear.Variant(512, 5120, "float32")}
+# V4.1's index keys in the FP4 cache: 128 wide, groups of 32, ue8m0 scales (CASES has the latents' variants)
+KEYS = {("fp4_pack", "fp4_pack"): fp4_pack.Variant(128, 32, "ue8m0", "bfloat16"),
+        ("fp4_gather", "fp4_gather"): fp4_gather.Variant(128, 32, "ue8m0", "bfloat16")}
 ALL = ([(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
-       + [(case, v) for case, v in FP32.items()])
+       + [(case, v) for case, v in FP32.items()] + [(case, v) for case, v in KEYS.items()])
 IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
-       + [f"{c[0]}.{c[1]}-fp32" for c in FP32])
+       + [f"{c[0]}.{c[1]}-fp32" for c in FP32] + [f"{c[0]}.{c[1]}-keys" for c in KEYS])
 
 
 def test_every_kernel_has_a_case():
@@ -93,7 +99,8 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
             assert "wgmma_ss<tl::DataType::kFloat8_e4m3" in source and "tma_load" in source
 
 
-@pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])
+@pytest.mark.parametrize("case, variant", list(CASES.items()) + list(KEYS.items()),
+                         ids=IDS[:len(CASES)] + IDS[-len(KEYS):])
 def test_ascend_source_without_traps(case, variant, cache):
     """V4-Flash widths here; the odd widths of every config's plan: tests/compile/test_every_config_lowers.py."""
     art = Compiler(backends.get("ascend"), cache).get(request(*case, variant))

@@ -25,14 +25,21 @@ SCALE_FORMATS = ("ue8m0", "e4m3")
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 codes 0..7; even codes win ties
 
 
-def e2m1_round(v: torch.Tensor) -> torch.Tensor:
-    """fp32 values in [-6, 6] -> the nearest e2m1 value (ties to the even code), fp32."""
+def e2m1_code(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values in [-6, 6] -> the code of the nearest e2m1 value (ties to the even code), int64 in [0, 16):
+    bits 0-2 the magnitude's index in `_MAGNITUDES`, bit 3 the sign (set for -0 too)."""
     mags = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=v.device)
     a = v.abs().unsqueeze(-1)
     mids = (mags[1:] + mags[:-1]) / 2
     tie_up = torch.arange(1, 8, device=v.device) % 2 == 0  # at a midpoint, round up only to an even code
     code = (a > mids).sum(-1) + ((a == mids) & tie_up).sum(-1)
-    return torch.copysign(mags[code], v)
+    return code + 8 * torch.signbit(v).long()
+
+
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values in [-6, 6] -> the nearest e2m1 value (ties to the even code), fp32."""
+    mags = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=v.device)
+    return torch.copysign(mags[e2m1_code(v) % 8], v)
 
 
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -41,18 +48,22 @@ def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), torch.where(mantissa == 0.5, exponent - 1, exponent))
 
 
-def reference(x: torch.Tensor, group: int, scale_format: str) -> torch.Tensor:
-    """x [..., K] with K a multiple of `group` -> x rounded through FP4 storage, in x's dtype."""
+def fp4_scales(xg: torch.Tensor, scale_format: str) -> torch.Tensor:
+    """fp32 groups [..., G, group] -> their fp32 scales [..., G, 1]."""
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale format {scale_format!r} is not one of {SCALE_FORMATS}")
+    amax = xg.abs().amax(-1, keepdim=True)
+    if scale_format == "ue8m0":
+        return pow2_ceil(amax.clamp(min=FP4_MAX * 2.0**-126) * torch.tensor(1 / FP4_MAX, dtype=torch.float32))
+    return (amax.clamp(min=FP4_MAX * 2.0**-9) / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def reference(x: torch.Tensor, group: int, scale_format: str) -> torch.Tensor:
+    """x [..., K] with K a multiple of `group` -> x rounded through FP4 storage, in x's dtype."""
     if x.shape[-1] % group:
         raise ValueError(f"the last dim {x.shape[-1]} is not a multiple of the FP4 group {group}")
     xg = x.float().unflatten(-1, (-1, group))
-    amax = xg.abs().amax(-1, keepdim=True)
-    if scale_format == "ue8m0":
-        s = pow2_ceil(amax.clamp(min=FP4_MAX * 2.0**-126) * torch.tensor(1 / FP4_MAX, dtype=torch.float32))
-    else:
-        s = (amax.clamp(min=FP4_MAX * 2.0**-9) / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    s = fp4_scales(xg, scale_format)
     return (e2m1_round((xg / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2).to(x.dtype)
 
 
@@ -74,14 +85,19 @@ class Config:
     threads: int = 128
 
 
+def tiling(P, v: Variant, cfg: Config) -> tuple[int, int, int, int, bool]:
+    """(groups per row, groups per tile, tiles per row, register rows, whether no tile has a masked edge)."""
+    kb = v.k // v.group
+    cg = max(1, min(kb, cfg.width // v.group))
+    nt = -(-kb // cg)  # the last tile is partial when cg does not divide kb
+    cgp = P.padded(cg * v.group, cfg.threads) // v.group  # padded so the threads divide the tile
+    return kb, cg, nt, cgp, kb % cg == 0 and cgp == cg
+
+
 def body(P, v: Variant, cfg: Config):
     T = P.T
     K, G, dtype = v.k, v.group, v.dtype
-    KB = K // G  # groups per row
-    CG = max(1, min(KB, cfg.width // G))  # groups per tile
-    NT = -(-KB // CG)  # tiles per row; the last is partial when CG does not divide KB
-    CGP = P.padded(CG * G, cfg.threads) // G  # register rows, padded so the threads divide the tile
-    FULL = KB % CG == 0 and CGP == CG  # no masked edge at all
+    KB, CG, NT, CGP, FULL = tiling(P, v, cfg)
     M = T.dynamic("M")
 
     def scale(amax, sixth, floor):  # ue8m0: the scale; e4m3: the scale's e4m3 byte (decoded once stored)
@@ -164,9 +180,11 @@ def run(launch, x: torch.Tensor, group: int, scale_format: str) -> torch.Tensor:
 
 
 def example(v: Variant, rows: int, device) -> tuple:
-    """Groups of mixed magnitudes (tiny ones reach the scale floors, one is all zero) and exact e2m1 ties."""
+    """Groups of mixed magnitudes (tiny ones reach the scale floors, one is all zero), exact e2m1 ties of both
+    signs (-0.25 rounds to a negative zero: packed as code 8) and small negatives that round to zero."""
     x = torch.randn(rows, v.k, device=device) * torch.logspace(-12, 3, rows, device=device)[:, None]
     x[0, : v.group] = 0.0
+    x[0, v.group :] *= torch.where(torch.rand(v.k - v.group, device=device) < 0.25, 1e-3, 1.0)
     x[-1, : v.group] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * (v.group // 8 or 1),
                                     device=device)[: v.group] * (-1) ** torch.arange(v.group, device=device)
     return (x.to(dtypes.torch_dtype(v.dtype)), v.group, v.scale_format)
