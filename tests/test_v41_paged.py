@@ -107,3 +107,29 @@ def test_bytes_are_blocks_and_slots_and_fp4_storage():
     assert block == want
     with pytest.raises(ConfigError, match="block_tokens=3 must be a positive multiple of every compression ratio"):
         V41Cache.empty(cfg, 1, MAX_LEN, dtype, "meta", 3)
+
+
+def test_preemption_under_a_tiny_block_budget_loses_nothing(tmp_path):
+    """The engine over a cache of 8-token blocks: four requests of up to 49 positions need 20 blocks at once;
+    with 7 the scheduler preempts (and recomputes) running requests, whose greedy tokens stay those of a roomy
+    cache; every block comes back."""
+    import deepinfer
+    from deepinfer.runtime.engine import Engine
+    from deepinfer.runtime.sampling import SamplingParams
+    from deepinfer.runtime.scheduler import SchedulerConfig
+    from tests.v41_dirs import model_dir
+
+    llm = deepinfer.LLM(model_dir(tmp_path), max_num_seqs=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (30, 17, 25, 9)]
+    params = SamplingParams(temperature=0, max_new_tokens=18, ignore_eos=True)
+    results = []
+    for blocks in (32, 7):
+        spec = CacheSpec(num_blocks=blocks, max_seqs=4, max_blocks_per_seq=MAX_LEN // BLOCK, block_tokens=BLOCK)
+        llm.cache = V41SlotCache(llm.model.cfg, spec, llm.model.dtype, "cpu")
+        llm.engine = Engine(V41Steps(llm.model, llm.cache), llm.cache, SchedulerConfig(4, 16), llm.grammars)
+        results.append(([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm.last_stats))
+        assert llm.cache.used_blocks == 0 and llm.cache.free_slots == 4
+    (roomy, roomy_stats), (tight, tight_stats) = results
+    assert roomy_stats.preemptions == 0 and tight_stats.preemptions > 0
+    assert tight == roomy
