@@ -36,12 +36,20 @@ def profiled(ops):
 
 
 def by_op(prof, steps: int, cuda: bool) -> list[dict]:
-    """GPU ms per step of each op range (its kernels), the rest of the GPU time as "torch", largest first (on the
-    CPU: CPU time, a smoke run)."""
-    events = prof.key_averages()
-    total, own = ("device_time_total", "self_device_time_total") if cuda else ("cpu_time_total", "self_cpu_time_total")
-    rows = {e.key.removeprefix("op:"): getattr(e, total) / 1e3 / steps for e in events if e.key.startswith("op:")}
-    kernels = sum(getattr(e, own) for e in events if not e.key.startswith("op:")) / 1e3 / steps
+    """GPU ms per step of each op's kernels (those its range launched: a range's own GPU-side span would count the
+    gaps between launches too), the rest of the kernel time as "torch", largest first (on the CPU: CPU time,
+    a smoke run)."""
+    from torch.autograd import DeviceType
+
+    rows, kernels = {}, 0.0
+    for e in prof.events():
+        op = e.name.startswith("op:")
+        if op and e.device_type == DeviceType.CPU:
+            key = e.name.removeprefix("op:")
+            rows[key] = rows.get(key, 0.0) + (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / steps
+        elif cuda and not op and e.device_type == DeviceType.CUDA:  # a kernel, memcpy or memset
+            kernels += e.device_time_total / 1e3 / steps
+    kernels = kernels if cuda else sum(rows.values())
     rows["torch"] = max(kernels - sum(rows.values()), 0.0)
     return [dict(op=k, ms=v, share=v / kernels) for k, v in sorted(rows.items(), key=lambda kv: -kv[1])]
 
