@@ -1,7 +1,9 @@
-"""Where a V4.1-Flash slice decode step's GPU time goes, op by op: eager decode steps (the same kernels a decode
-graph replays) under torch.profiler, every op of the model's op table wrapped in a `record_function` range, the
-GPU time of each op's kernels summed per step; work outside the op table (indexing, concatenation, the cache's
-row arithmetic) under "torch". The slice, its weights and its kernels are `decode_v41`'s.
+"""Where a V4.1-Flash slice decode step's GPU time goes, op by op. Each op of the model's op table (and, as one,
+the whole step) is timed on the GPU alone: the stream is first held by a sleep kernel long enough for the host
+to enqueue everything the op launches, so the CUDA events around it measure its kernels back to back, without
+the launch gaps of an eager step (what a decode graph replays). Work outside the op table (indexing,
+concatenation, the cache's row arithmetic) is the step's time less the ops': "torch". The slice, its weights
+and its kernels are `decode_v41`'s.
 
     python benchmarks/profile_v41.py --points 1x4096,128x32768 --out results.json
 """
@@ -20,41 +22,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.decode_v41 import hasher_for, make_weights, slice_config  # noqa: E402  (after the path)
 
-
-def profiled(ops):
-    """The op table with each op inside a profiler range named `op:<name>`."""
-    from tilekernels import OpTable
-    from tilekernels.ops import DECLARED
-
-    def wrap(name, fn):
-        def call(*args, **kwargs):
-            with torch.profiler.record_function(f"op:{name}"):
-                return fn(*args, **kwargs)
-        return call
-
-    return OpTable({name: wrap(name, getattr(ops, name)) for name in DECLARED}, DECLARED)
+HOLD_CYCLES = 4_000_000  # ~2 ms at the H200's clock: more than the host needs to enqueue one op
 
 
-def by_op(prof, steps: int, cuda: bool) -> list[dict]:
-    """GPU ms per step of each op's kernels (those its range launched: a range's own GPU-side span would count the
-    gaps between launches too), the rest of the kernel time as "torch", largest first (on the CPU: CPU time,
-    a smoke run)."""
-    from torch.autograd import DeviceType
-
-    rows, kernels = {}, 0.0
-    for e in prof.events():
-        op = e.name.startswith("op:")
-        if op and e.device_type == DeviceType.CPU:
-            key = e.name.removeprefix("op:")
-            rows[key] = rows.get(key, 0.0) + (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / steps
-        elif cuda and not op and e.device_type == DeviceType.CUDA:  # a kernel, memcpy or memset
-            kernels += e.device_time_total / 1e3 / steps
-    kernels = kernels if cuda else sum(rows.values())
-    rows["torch"] = max(kernels - sum(rows.values()), 0.0)
-    return [dict(op=k, ms=v, share=v / kernels) for k, v in sorted(rows.items(), key=lambda kv: -kv[1])]
+def gpu_ms(fn, hold: int = HOLD_CYCLES) -> tuple[object, float]:
+    """fn() run with the stream held until the host has enqueued it -> (its result, its GPU milliseconds)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(hold)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
 
 
-def profile_point(model, batch: int, context: int, steps: int) -> dict:
+class OpTimes:
+    """The op table with each call timed alone (`gpu_ms`), milliseconds summed by op."""
+
+    def __init__(self, ops):
+        from tilekernels import OpTable
+        from tilekernels.ops import DECLARED
+
+        self.ms: dict[str, float] = {}
+        self.on = False
+
+        def wrap(name, fn):
+            def call(*args, **kwargs):
+                if not self.on:
+                    return fn(*args, **kwargs)
+                out, ms = gpu_ms(lambda: fn(*args, **kwargs))
+                self.ms[name] = self.ms.get(name, 0.0) + ms
+                return out
+            return call
+
+        self.table = OpTable({name: wrap(name, getattr(ops, name)) for name in DECLARED}, DECLARED)
+
+
+def profile_point(model, times: OpTimes, batch: int, context: int, steps: int) -> dict:
     from deepinfer.model.v41_compress import Chunk
 
     cfg, device = model.cfg, model.weights.embed.device
@@ -66,18 +71,16 @@ def profile_point(model, batch: int, context: int, steps: int) -> dict:
         cache.num_tokens = [context] * (batch + 1)
         model.forward(cache, ids, chunks)
 
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
+    step()
+    whole = min(gpu_ms(step, 50 * HOLD_CYCLES)[1] for _ in range(steps))  # the host enqueues a step in < 100 ms
+    times.ms, times.on = {}, True
+    for _ in range(steps):
         step()
-    sync()
-    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        sync()
-    rows = by_op(prof, steps, cuda)
-    return dict(batch=batch, context=context, steps=steps, kernel_ms=sum(r["ms"] for r in rows), ops=rows)
+    times.on = False
+    rows = {k: v / steps for k, v in times.ms.items()}
+    rows["torch"] = max(whole - sum(rows.values()), 0.0)
+    ops = [dict(op=k, ms=v, share=v / whole) for k, v in sorted(rows.items(), key=lambda kv: -kv[1])]
+    return dict(batch=batch, context=context, steps=steps, step_ms=whole, ops=ops)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,7 +90,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--tiny", action="store_true", help="the tiny slice on the CPU reference ops (a smoke run)")
     args = parser.parse_args(argv)
     from deepinfer.compile.plan import kernel_plan
     from deepinfer.compile.prebuild import build_kernels
@@ -95,24 +97,18 @@ def main(argv: list[str] | None = None) -> dict:
     from deepinfer.model.v41 import DeepseekV41
     from tilekernels.kernels import kernel_table
 
-    from tilekernels import reference_table
-
-    begin, cfg = time.perf_counter(), slice_config(args.tiny)
-    device = torch.device("cpu" if args.tiny else "cuda")
-    ops = reference_table()
-    if not args.tiny:
-        cache_dir = Env.read().cache_dir
-        build_kernels("sm90", kernel_plan(cfg, "bfloat16", quantized=True), cache_dir, jobs=16)
-        ops = kernel_table("sm90", cache_dir)
-    model = DeepseekV41(cfg, make_weights(cfg, torch.bfloat16, device), profiled(ops), hasher_for(cfg))
-    res = dict(device=torch.cuda.get_device_name(device) if not args.tiny else "cpu", commit=args.commit, points=[],
+    begin, cfg, device, cache_dir = time.perf_counter(), slice_config(), torch.device("cuda"), Env.read().cache_dir
+    build_kernels("sm90", kernel_plan(cfg, "bfloat16", quantized=True), cache_dir, jobs=16)
+    times = OpTimes(kernel_table("sm90", cache_dir))
+    model = DeepseekV41(cfg, make_weights(cfg, torch.bfloat16, device), times.table, hasher_for(cfg))
+    res = dict(device=torch.cuda.get_device_name(device), commit=args.commit, points=[],
                setup_s=time.perf_counter() - begin)
     for point in args.points.split(","):
         batch, context = (int(x) for x in point.split("x"))
         with torch.inference_mode():
-            row = profile_point(model, batch, context, args.steps)
+            row = profile_point(model, times, batch, context, args.steps)
         res["points"].append(row)
-        print(f"\n# batch {batch}, context {context}: {'kernels' if not args.tiny else 'CPU'} {row['kernel_ms']:.2f} ms a step (eager)\n"
+        print(f"\n# batch {batch}, context {context}: the step's kernels {row['step_ms']:.2f} ms\n"
               "| op | ms / step | share |\n|---|---|---|", flush=True)
         for r in row["ops"][: args.top]:
             print(f"| {r['op']} | {r['ms']:.3f} | {r['share']:.1%} |", flush=True)
