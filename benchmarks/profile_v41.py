@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    try:
+        points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+        assert all(len(p) == 2 for p in points)
+    except (ValueError, AssertionError):
+        parser.error(f"--points {args.points!r}: expected batch x context pairs such as 1x4096,128x32768")
     from deepinfer.compile.plan import kernel_plan
     from deepinfer.compile.prebuild import build_kernels
     from deepinfer.env import Env
@@ -103,8 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = DeepseekV41(cfg, make_weights(cfg, torch.bfloat16, device), times.table, hasher_for(cfg))
     res = dict(device=torch.cuda.get_device_name(device), commit=args.commit, points=[],
                setup_s=time.perf_counter() - begin)
-    for point in args.points.split(","):
-        batch, context = (int(x) for x in point.split("x"))
+    for batch, context in points:
         with torch.inference_mode():
             row = profile_point(model, times, batch, context, args.steps)
         res["points"].append(row)

@@ -86,9 +86,15 @@ def test_interleaved_blocks_equal_a_dense_cache_and_freed_ones_serve_the_next_se
 
 
 def test_packed_entries_give_the_unpacked_rounded_ones_logits():
+    """A prefill, then decode steps across a block boundary (8-token blocks) and through open ratio-2 groups."""
     model = fixture("a").model()
-    ids = torch.arange(3, 33)
-    logits = [model.prefill(model.new_cache(1, MAX_LEN, packed), ids, 0) for packed in (True, False)]
+    ids = torch.arange(3, 30)
+    logits = []
+    for packed in (True, False):
+        cache = V41Cache.empty(model.cfg, 1, MAX_LEN, model.dtype, "cpu", BLOCK, packed=packed)
+        rows = [model.prefill(cache, ids, 0)]
+        rows += [model.decode(cache, torch.tensor([t]), [0]) for t in range(40, 47)]  # positions 27-33
+        logits.append(torch.cat(rows))
     assert torch.equal(*logits)
 
 

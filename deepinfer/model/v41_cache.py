@@ -37,7 +37,8 @@ BLOCK_TOKENS = 128
 class EntryStore:
     """Entries of one kind (a source's latents or its index keys), rounded through FP4 (`fmt`: group, scale
     format) and stored packed (codes and scale bytes per storage row) or, unpacked, as the rounded values in the
-    model dtype (a debugging form: with the rounding ops off it stores the values exactly)."""
+    model dtype (a debugging form for the reference ops: with the rounding ops off it stores the values exactly;
+    the kernel plan does not trace it, so kernel backends use the packed form)."""
 
     fmt: tuple[int, str]
     codes: torch.Tensor | None = None  # packed: [rows, dim / 2] uint8
@@ -120,6 +121,11 @@ class V41Cache:
         if block_tokens < 1 or any(block_tokens % r for r in ratios):
             raise ConfigError(f"block_tokens={block_tokens} must be a positive multiple of every compression "
                               f"ratio of the model ({ratios})")
+        for name, dim, (group, _) in (("head_dim", cfg.head_dim, LATENT_FP4),
+                                      ("index_head_dim", cfg.index_head_dim, INDEX_FP4)):
+            if dim % group:
+                raise ConfigError(f"{name}={dim}: V4.1's FP4 cache stores groups of {group} values; accepted: "
+                                  f"multiples of {group}")
         max_blocks = -(-max_len // block_tokens)
         if num_blocks is None:
             num_blocks = slots * max_blocks

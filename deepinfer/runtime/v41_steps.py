@@ -37,10 +37,20 @@ class V41SlotCache(SlotBlocks):
         held = len(seq.blocks)
         if not super().grow(seq, tokens):
             return False
-        if len(seq.blocks) > held:  # the new blocks enter the slot's table row
+        if len(seq.blocks) > held:  # the new blocks enter the slot's table row (no host stall on a GPU)
             new = torch.tensor(seq.blocks[held:], dtype=torch.long)
-            self.paged.tables[seq.slot, held: len(seq.blocks)] = new.to(self.paged.tables.device)
+            device = self.paged.tables.device
+            if device.type == "cuda":
+                new = new.pin_memory()
+            self.paged.tables[seq.slot, held: len(seq.blocks)] = new.to(device, non_blocking=True)
         return True
+
+    def check_held(self, seq: SeqCache, new_tokens: int) -> None:
+        """A sequence's blocks cover the positions a step writes (else its writes would land in the scratch
+        block): the scheduler grows before it schedules."""
+        if len(seq.blocks) * self.spec.block_tokens < seq.num_tokens + new_tokens:
+            raise AssertionError(f"slot {seq.slot} holds {len(seq.blocks)} blocks of {self.spec.block_tokens} "
+                                 f"positions, fewer than its {seq.num_tokens} + {new_tokens} tokens")
 
     def release(self, seq: SeqCache) -> None:
         self.paged.tables[seq.slot] = self.scratch_block  # no stale blocks in a free slot's row
@@ -66,9 +76,10 @@ class V41Steps:
 
     def prefill(self, ids: list[int], positions: list[int], seqs: list[tuple[SeqCache, int, int]],
                 logit_rows: list[int]) -> torch.Tensor:
-        for seq, start, _ in seqs:
+        for seq, start, length in seqs:
             if positions[start] != seq.num_tokens:
                 raise AssertionError(f"chunk starts at {positions[start]} but the sequence holds {seq.num_tokens}")
+            self.cache.check_held(seq, length)
         chunks = [Chunk(seq.slot, start, length, seq.num_tokens) for seq, start, length in seqs]
         logits = self.model.forward(self.cache.paged, torch.tensor(ids, device=self.device), chunks,
                                     torch.tensor(logit_rows, dtype=torch.long, device=self.device))
@@ -87,6 +98,8 @@ class V41Steps:
     def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
         if positions != [s.num_tokens for s in seqs]:
             raise AssertionError(f"decode positions {positions} differ from the sequences' token counts")
+        for seq in seqs:
+            self.cache.check_held(seq, 1)
         if self.decode_graphs is None:
             chunks = [Chunk(seq.slot, i, 1, seq.num_tokens) for i, seq in enumerate(seqs)]
             logits = self.model.forward(self.cache.paged, torch.tensor(ids, device=self.device), chunks)

@@ -142,7 +142,7 @@ def run(launch, x: torch.Tensor, group: int, scale_format: str) -> tuple[torch.T
     require(group in GROUPS, "fp4_pack", f"group must be one of {GROUPS} columns, got {group}")
     require(x.dtype in dtypes.NAMES, "fp4_pack", f"x must be one of {', '.join(dtypes.NAMES.values())}, got {x.dtype}")
     require(x.dim() >= 1 and x.shape[-1] % group == 0, "fp4_pack",
-            f"the last dim {list(x.shape)[-1:]} must be a multiple of the FP4 group {group}")
+            f"the last dim of x {list(x.shape)} must be a multiple of the FP4 group {group}")
     v = variant(x, group, scale_format)
     rows = x.reshape(-1, v.k).contiguous()
     codes = torch.empty(rows.shape[0], v.k // 2, dtype=torch.uint8, device=x.device)

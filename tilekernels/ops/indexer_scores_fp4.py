@@ -84,7 +84,8 @@ def _key_value(T, word, half_scale, d):
 
 
 def body(P, v: Variant, cfg: Config):
-    require(v.dim % GROUP == 0 and v.block_e % 2 == 0 and (v.shared or v.block_q == 1), NAME, f"bad variant {v}")
+    require(v.dim % GROUP == 0 and v.block_e % 2 == 0 and (v.shared or v.block_q == 1), NAME,
+            f"variant {v}: dim must be a multiple of {GROUP}, block_e even, and block_q 1 unless the rows are shared")
     T = P.T
     H, D, dtype, BE, QB = v.heads, v.dim, v.dtype, v.block_e, v.block_q
     KW, KS, QH = D // 8, D // GROUP, QB * H  # code words, scale bytes per key row; GEMM columns
@@ -194,8 +195,11 @@ def run(launch, q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rows
     ne = -(-e // v.block_e)
     sp = -(-s // v.block_q) * v.block_q
     sets = rows.view(1, e) if v.shared else rows
-    idx = torch.zeros(sets.shape[0], ne * v.block_e, dtype=torch.int64, device=q.device)  # padding: row 0
-    idx[:, :e] = sets
+    if e % v.block_e:  # pad to whole key tiles with storage row 0 (their scores are dropped)
+        idx = torch.zeros(sets.shape[0], ne * v.block_e, dtype=torch.int64, device=q.device)
+        idx[:, :e] = sets
+    else:
+        idx = sets.to(torch.int64).contiguous()  # no copy for int64 rows
     qq, w = q.contiguous(), weights.contiguous()
     if sp != s:  # zero queries in the last block (shared rows): their scores are dropped
         qq = torch.cat([qq, qq.new_zeros(sp - s, h, d)])
