@@ -28,11 +28,15 @@ CASES = {
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
     ("moe_experts", "grouped_gemm_fp4"): moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True),
     ("hc_pre", "hc_pre"): hc_pre.Variant(4, 4096, 20, "bfloat16"),
+    ("hc_pre", "hc_pre_split"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),  # split K: decode batches
+    ("hc_pre", "hc_pre_finish"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
     # V4.1's own, at V4.1 widths (odd widths: tests/tilekernels/test_v41_kernels.py on the c target)
     ("hc_mixes", "hc_mixes"): hc_mixes.Variant(4, 5120, 20, "bfloat16"),
+    ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),  # split K: decode batches
+    ("hc_mixes", "hc_mixes_finish"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),
     ("hc_collapse", "hc_collapse"): hc_collapse.Variant(4, 5120, "bfloat16"),
     ("fp4_act_qdq", "fp4_act_qdq"): fp4_act_qdq.Variant(512, 16, "e4m3", "bfloat16"),
     ("fp4_pack", "fp4_pack"): fp4_pack.Variant(512, 16, "e4m3", "bfloat16"),  # the compressed latents

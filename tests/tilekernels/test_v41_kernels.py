@@ -22,6 +22,8 @@ F = "float32"
 CASES = {
     "hc_mixes": ("hc_mixes", hc_mixes.Variant(4, 64, 20, F), 5),
     "hc_mixes-ragged": ("hc_mixes", hc_mixes.Variant(3, 40, 3, F), 3),  # 120 stream columns: a partial chunk
+    "hc_mixes-split": ("hc_mixes", hc_mixes.Variant(4, 512, 20, F), 3),  # 2048 columns, 3 rows: 4 parts of 8 chunks
+    "hc_mixes-split-ragged": ("hc_mixes", hc_mixes.Variant(3, 520, 3, F), 2),  # 4 parts of 7 chunks, 24.4 used
     "hc_collapse": ("hc_collapse", hc_collapse.Variant(4, 64, F), 5),
     "hc_collapse-ragged": ("hc_collapse", hc_collapse.Variant(4, 100, F), 3),
     "fp4_act_qdq-e4m3": ("fp4_act_qdq", fp4_act_qdq.Variant(128, 16, "e4m3", F), 6),

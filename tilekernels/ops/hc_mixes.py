@@ -3,8 +3,11 @@ stochastic matrices by Sinkhorn-Knopp), without collapsing. V4's `hc_pre` is the
 with its own pre; V4.1's "single pass" collapses each sublayer's input with the pre its predecessor computed.
 
 The kernel body here is also `hc_pre`'s: `mixes_body(..., collapse=True)` stores the collapsed streams
-instead of the pre mix (one read of the streams for both). All math in fp32."""
+instead of the pre mix (one read of the streams for both). All math in fp32. Up to SPLIT_ROWS tokens, split K:
+tiles (token, part) write partial mixing products and sums of squares to fp32 workspaces, and a finishing kernel per
+token sums them in part order (deterministic) and runs the one-pass kernel's tail (`split_for`, `launch_mixes`)."""
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +50,7 @@ class Variant:
     hidden: int  # H
     iters: int  # Sinkhorn iterations
     dtype: str
+    split: int = 1  # column parts per token (split-K): 1 one pass per token; S > 1 a partial and a finishing kernel
 
 
 @dataclass(frozen=True)
@@ -55,15 +59,38 @@ class Config:
     threads: int = 128
 
 
-def mixes_body(P, v, cfg, collapse: bool):
-    """The mixes of one token per tile; `collapse`: store the streams collapsed with the pre mix just computed
-    (`hc_pre`) instead of the pre mix itself (`hc_mixes`)."""
+CONFIGS = {"default": Config(), "c": Config(chunk=64, threads=1)}
+# Up to SPLIT_ROWS tokens split the mixing matvec: one tile per token streams all of fn (2 MB at V4.1) in 40 serial
+# chunks, while M * split tiles of 2 chunks fill the GPU (64: linear's decode bucket, a row count the plan traces)
+SPLIT_ROWS = 64
+SPLIT_COLUMNS = 512  # parts cover whole multiples of the GPU chunk (the c target's 64 divides it)
+MAX_SPLIT = 20  # at most this many parts per token: V4.1's 40 chunks in 20 parts of 2, V4's 32 in 16
+
+
+def split_for(rows: int, columns: int) -> int:
+    """Parts per token of the mixing matvec over `columns` (N*H) for `rows` tokens: 1 above SPLIT_ROWS, else the
+    fewest parts of equally many SPLIT_COLUMNS chunks (but the last) that keeps to MAX_SPLIT."""
+    if rows > SPLIT_ROWS:
+        return 1
+    units = -(-columns // SPLIT_COLUMNS)
+    per_part = -(-units // MAX_SPLIT)
+    return -(-units // per_part)
+
+
+def mixes_body(P, v, cfg, collapse: bool, stage: str = "single"):
+    """The mixes kernel of `stage`: "single" one pass per token (one tile each), storing with `collapse` the streams
+    collapsed with the pre mix just computed (`hc_pre`) instead of the pre mix itself (`hc_mixes`); "split" the
+    partial mixing dot products and sums of squares of tiles (token, part) over each part's contiguous chunks into
+    fp32 workspaces [M, split * MIX] and [M, split]; "finish" per token: the partials summed in part order, then the
+    single pass's tail."""
     T = P.T
-    N, H, dtype = v.hc, v.hidden, v.dtype
+    N, H, dtype, SP = v.hc, v.hidden, v.dtype, v.split
     KN, MIX = N * H, (2 + N) * N
     BC = min(cfg.chunk, P.padded(KN, cfg.threads))  # stream columns per step, a multiple of the threads
     NC = -(-KN // BC)
     RAGGED = KN % BC != 0  # the last chunk is partial: loads masked to 0 (adds nothing to the sums)
+    CPP = -(-NC // SP)  # chunks per part (split)
+    MASKED = RAGGED or CPP * SP != NC  # split: chunks past the last read as 0
     BH = min(cfg.chunk, H)  # collapse columns per step; a partial last step stores predicated
     NH = -(-H // BH)
     M = T.dynamic("M")
@@ -72,6 +99,9 @@ def mixes_body(P, v, cfg, collapse: bool):
         if not RAGGED:
             return T.cast(s_io[c * BC + j], "float32")
         return T.if_then_else(c * BC + j < KN, T.cast(s_io[T.min(c * BC + j, KN - 1)], "float32"), 0.0)
+
+    def staged(s_io, c, j):  # split: the chunk's stream columns staged in s_io (zero-filled past the end)
+        return T.cast(s_io[j], "float32")
 
     def row_max(mix, scale, base, i):
         logit = [mix[2 * N + i * N + j] * scale[2] + base[2 * N + i * N + j] for j in range(N)]
@@ -98,6 +128,91 @@ def mixes_body(P, v, cfg, collapse: bool):
             total = total + pre[n] * T.cast(s[n * H + h], "float32")
         return total
 
+    def matvec_step(masked, value):
+        """One chunk c of the mixing matvec added to acc [MIX] and ss [1]; `value(s_io, c, j)` the fp32 stream."""
+        @T.macro
+        def step(Fn, s_io, f_io, acc, ss, c):
+            if masked:
+                with P.vector(cfg.threads):
+                    for o, j in T.Parallel(MIX, BC):
+                        f_io[o, j] = T.if_then_else(c * BC + j < KN, Fn[o, T.min(c * BC + j, KN - 1)], 0.0)
+            else:
+                T.copy(Fn[0:MIX, c * BC : (c + 1) * BC], f_io)
+            with P.vector(cfg.threads):
+                prod = P.alloc_reg((MIX, BC), "float32")
+                part = P.alloc_reg((MIX,), "float32")
+                sq = P.alloc_reg((BC,), "float32")
+                tot = P.alloc_reg((1,), "float32")
+                for o, j in T.Parallel(MIX, BC):
+                    prod[o, j] = f_io[o, j] * value(s_io, c, j)
+                T.reduce_sum(prod, part, dim=1)
+                for j in T.Parallel(BC):
+                    sq[j] = value(s_io, c, j) * value(s_io, c, j)
+                T.reduce_sum(sq, tot, dim=0)
+                for o in T.Parallel(MIX):
+                    acc[o] = acc[o] + part[o]
+                ss[0] = ss[0] + tot[0]
+        return step
+
+    @T.macro
+    def tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, red_io, o_io, Scale, Base, Pre, Post, Comb, Out,
+             hc_eps, norm_eps):
+        """From a token's mixing dot products acc [MIX] and sum of squares ss [1]: normalize, the sigmoids, the comb
+        softmax and Sinkhorn, then store post, comb and pre (or the streams s_io collapsed with pre)."""
+        with P.vector(cfg.threads):
+            for o in T.Parallel(MIX):
+                mix_io[o] = acc[o] * T.rsqrt(ss[0] / KN + norm_eps)
+        with P.vector(cfg.threads):
+            for i in T.Parallel(N):
+                pre_io[i] = 1.0 / (1.0 + T.exp(-(mix_io[i] * Scale[0] + Base[i]))) + hc_eps
+                post_io[i] = 2.0 / (1.0 + T.exp(-(mix_io[N + i] * Scale[1] + Base[N + i])))
+            for i in T.Parallel(N):  # row softmax of the comb logits
+                red_io[i] = row_max(mix_io, Scale, Base, i)
+            for i, j in T.Parallel(N, N):
+                comb_io[i * N + j] = T.exp(mix_io[2 * N + i * N + j] * Scale[2] + Base[2 * N + i * N + j] - red_io[i])
+            for i in T.Parallel(N):
+                red_io[i] = row_sum(comb_io, i)
+            for i, j in T.Parallel(N, N):
+                comb_io[i * N + j] = comb_io[i * N + j] / red_io[i] + hc_eps
+            for j in T.Parallel(N):
+                red_io[j] = col_sum(comb_io, j)
+            for i, j in T.Parallel(N, N):
+                comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
+            for _ in T.serial(v.iters - 1):  # Sinkhorn-Knopp: rows, then columns
+                for i in T.Parallel(N):
+                    red_io[i] = row_sum(comb_io, i)
+                for i, j in T.Parallel(N, N):
+                    comb_io[i * N + j] = comb_io[i * N + j] / (red_io[i] + hc_eps)
+                for j in T.Parallel(N):
+                    red_io[j] = col_sum(comb_io, j)
+                for i, j in T.Parallel(N, N):
+                    comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
+        T.copy(post_io, Post[row, 0:N])
+        T.copy(comb_io, Comb[row, 0 : N * N])
+        if not collapse:
+            T.copy(pre_io, Pre[row, 0:N])
+        else:
+            for hb in T.serial(NH):
+                if H % BH == 0:
+                    with P.vector(cfg.threads):
+                        for j in T.Parallel(BH):
+                            o_io[j] = T.cast(weighted(pre_io, s_io, hb * BH + j), dtype)
+                    T.copy(o_io, Out[row, hb * BH : (hb + 1) * BH])
+                else:
+                    with P.vector(cfg.threads):
+                        for j in T.Parallel(BH):
+                            if hb * BH + j < H:
+                                Out[row, hb * BH + j] = T.cast(weighted(pre_io, s_io, hb * BH + j), dtype)
+
+    def sum_parts(buf, i, stride):
+        total = buf[i]
+        for p in range(1, SP):
+            total = total + buf[p * stride + i]
+        return total
+
+    single_step = matvec_step(RAGGED, stream)
+    split_step = matvec_step(MASKED, staged)
+
     @T.macro
     def mixes(S, Fn, Base, Scale, Pre, Post, Comb, Out, hc_eps, norm_eps):
         with P.kernel(M, cfg.threads) as pid:
@@ -118,98 +233,129 @@ def mixes_body(P, v, cfg, collapse: bool):
                         acc[o] = 0.0
                     ss[0] = 0.0
                 for c in T.serial(NC):
-                    if RAGGED:
-                        with P.vector(cfg.threads):
-                            for o, j in T.Parallel(MIX, BC):
-                                f_io[o, j] = T.if_then_else(c * BC + j < KN, Fn[o, T.min(c * BC + j, KN - 1)], 0.0)
-                    else:
-                        T.copy(Fn[0:MIX, c * BC : (c + 1) * BC], f_io)
-                    with P.vector(cfg.threads):
-                        prod = P.alloc_reg((MIX, BC), "float32")
-                        part = P.alloc_reg((MIX,), "float32")
-                        sq = P.alloc_reg((BC,), "float32")
-                        tot = P.alloc_reg((1,), "float32")
-                        for o, j in T.Parallel(MIX, BC):
-                            prod[o, j] = f_io[o, j] * stream(s_io, c, j)
-                        T.reduce_sum(prod, part, dim=1)
-                        for j in T.Parallel(BC):
-                            sq[j] = stream(s_io, c, j) * stream(s_io, c, j)
-                        T.reduce_sum(sq, tot, dim=0)
-                        for o in T.Parallel(MIX):
-                            acc[o] = acc[o] + part[o]
-                        ss[0] = ss[0] + tot[0]
+                    single_step(Fn, s_io, f_io, acc, ss, c)
+                tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, red_io, o_io, Scale, Base, Pre, Post, Comb,
+                     Out, hc_eps, norm_eps)
+
+    @T.macro
+    def partials(S, Fn, Dots, Sq):
+        with P.kernel(M * SP, cfg.threads) as pid:
+            s_io = P.alloc_io((BC,), "float32" if MASKED else dtype)
+            f_io = P.alloc_io((MIX, BC), "float32")
+            d_io = P.alloc_io((MIX,), "float32")
+            q_io = P.alloc_io((1,), "float32")
+            acc = P.alloc_vec((MIX,), "float32")
+            ss = P.alloc_vec((1,), "float32")
+            for t in P.tiles(M * SP, pid):
                 with P.vector(cfg.threads):
                     for o in T.Parallel(MIX):
-                        mix_io[o] = acc[o] * T.rsqrt(ss[0] / KN + norm_eps)
+                        acc[o] = 0.0
+                    ss[0] = 0.0
+                for cc in T.serial(CPP):
+                    c = t % SP * CPP + cc
+                    if MASKED:
+                        with P.vector(cfg.threads):
+                            for j in T.Parallel(BC):
+                                s_io[j] = T.if_then_else(c * BC + j < KN,
+                                                         T.cast(S[t // SP, T.min(c * BC + j, KN - 1)], "float32"), 0.0)
+                    else:
+                        T.copy(S[t // SP, c * BC : (c + 1) * BC], s_io)
+                    split_step(Fn, s_io, f_io, acc, ss, c)
                 with P.vector(cfg.threads):
-                    for i in T.Parallel(N):
-                        pre_io[i] = 1.0 / (1.0 + T.exp(-(mix_io[i] * Scale[0] + Base[i]))) + hc_eps
-                        post_io[i] = 2.0 / (1.0 + T.exp(-(mix_io[N + i] * Scale[1] + Base[N + i])))
-                    for i in T.Parallel(N):  # row softmax of the comb logits
-                        red_io[i] = row_max(mix_io, Scale, Base, i)
-                    for i, j in T.Parallel(N, N):
-                        comb_io[i * N + j] = T.exp(mix_io[2 * N + i * N + j] * Scale[2] + Base[2 * N + i * N + j] - red_io[i])
-                    for i in T.Parallel(N):
-                        red_io[i] = row_sum(comb_io, i)
-                    for i, j in T.Parallel(N, N):
-                        comb_io[i * N + j] = comb_io[i * N + j] / red_io[i] + hc_eps
-                    for j in T.Parallel(N):
-                        red_io[j] = col_sum(comb_io, j)
-                    for i, j in T.Parallel(N, N):
-                        comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
-                    for _ in T.serial(v.iters - 1):  # Sinkhorn-Knopp: rows, then columns
-                        for i in T.Parallel(N):
-                            red_io[i] = row_sum(comb_io, i)
-                        for i, j in T.Parallel(N, N):
-                            comb_io[i * N + j] = comb_io[i * N + j] / (red_io[i] + hc_eps)
-                        for j in T.Parallel(N):
-                            red_io[j] = col_sum(comb_io, j)
-                        for i, j in T.Parallel(N, N):
-                            comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
-                T.copy(post_io, Post[row, 0:N])
-                T.copy(comb_io, Comb[row, 0 : N * N])
-                if not collapse:
-                    T.copy(pre_io, Pre[row, 0:N])
-                else:
-                    for hb in T.serial(NH):
-                        if H % BH == 0:
-                            with P.vector(cfg.threads):
-                                for j in T.Parallel(BH):
-                                    o_io[j] = T.cast(weighted(pre_io, s_io, hb * BH + j), dtype)
-                            T.copy(o_io, Out[row, hb * BH : (hb + 1) * BH])
-                        else:
-                            with P.vector(cfg.threads):
-                                for j in T.Parallel(BH):
-                                    if hb * BH + j < H:
-                                        Out[row, hb * BH + j] = T.cast(weighted(pre_io, s_io, hb * BH + j), dtype)
+                    for o in T.Parallel(MIX):
+                        d_io[o] = acc[o]
+                    q_io[0] = ss[0]
+                T.copy(d_io, Dots[t // SP, t % SP * MIX : (t % SP + 1) * MIX])
+                T.copy(q_io, Sq[t // SP, t % SP : t % SP + 1])
 
-    if collapse:
+    @T.macro
+    def finish(S, Dots, Sq, Base, Scale, Pre, Post, Comb, Out, hc_eps, norm_eps):
+        with P.kernel(M, cfg.threads) as pid:
+            s_io = P.alloc_io((KN,), dtype) if collapse else None
+            d_io = P.alloc_io((SP * MIX,), "float32")
+            q_io = P.alloc_io((SP,), "float32")
+            mix_io = P.alloc_io((MIX,), "float32")
+            pre_io = P.alloc_io((N,), "float32")
+            post_io = P.alloc_io((N,), "float32")
+            comb_io = P.alloc_io((N * N,), "float32")
+            red_io = P.alloc_io((N,), "float32")
+            o_io = P.alloc_io((BH,), dtype) if collapse else None
+            acc = P.alloc_vec((MIX,), "float32")
+            ss = P.alloc_vec((1,), "float32")
+            for row in P.tiles(M, pid):
+                if collapse:
+                    T.copy(S[row, 0:KN], s_io)
+                T.copy(Dots[row, 0 : SP * MIX], d_io)
+                T.copy(Sq[row, 0:SP], q_io)
+                with P.vector(cfg.threads):  # the parts in order: the same sums every run
+                    for o in T.Parallel(MIX):
+                        acc[o] = sum_parts(d_io, o, MIX)
+                    ss[0] = sum_parts(q_io, 0, 1)
+                tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, red_io, o_io, Scale, Base, Pre, Post, Comb,
+                     Out, hc_eps, norm_eps)
+
+    Tn, F32 = T.Tensor, "float32"
+    if stage == "split":
         @T.prim_func
-        def kernel(S: T.Tensor((M, KN), dtype), Fn: T.Tensor((MIX, KN), "float32"), Base: T.Tensor((MIX,), "float32"),
-                   Scale: T.Tensor((3,), "float32"), Post: T.Tensor((M, N), "float32"),
-                   Comb: T.Tensor((M, N * N), "float32"), Out: T.Tensor((M, H), dtype), hc_eps: T.float32,
+        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32)):
+            partials(S, Fn, Dots, Sq)
+    elif stage == "finish" and collapse:
+        @T.prim_func
+        def kernel(S: Tn((M, KN), dtype), Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32), Base: Tn((MIX,), F32),
+                   Scale: Tn((3,), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype),
+                   hc_eps: T.float32, norm_eps: T.float32):
+            finish(S, Dots, Sq, Base, Scale, None, Post, Comb, Out, hc_eps, norm_eps)
+    elif stage == "finish":
+        @T.prim_func
+        def kernel(Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
+                   Pre: Tn((M, N), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), hc_eps: T.float32,
+                   norm_eps: T.float32):
+            finish(None, Dots, Sq, Base, Scale, Pre, Post, Comb, None, hc_eps, norm_eps)
+    elif collapse:
+        @T.prim_func
+        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
+                   Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype), hc_eps: T.float32,
                    norm_eps: T.float32):
             mixes(S, Fn, Base, Scale, None, Post, Comb, Out, hc_eps, norm_eps)
     else:
         @T.prim_func
-        def kernel(S: T.Tensor((M, KN), dtype), Fn: T.Tensor((MIX, KN), "float32"), Base: T.Tensor((MIX,), "float32"),
-                   Scale: T.Tensor((3,), "float32"), Pre: T.Tensor((M, N), "float32"), Post: T.Tensor((M, N), "float32"),
-                   Comb: T.Tensor((M, N * N), "float32"), hc_eps: T.float32, norm_eps: T.float32):
+        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
+                   Pre: Tn((M, N), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), hc_eps: T.float32,
+                   norm_eps: T.float32):
             mixes(S, Fn, Base, Scale, Pre, Post, Comb, None, hc_eps, norm_eps)
     return kernel
 
 
-def body(P, v: Variant, cfg: Config):
-    return mixes_body(P, v, cfg, collapse=False)
+def kernels(name: str, collapse: bool) -> tuple[Kernel, ...]:
+    """The op's kernels: `name` (one pass per token), `name`_split and `name`_finish (split-K, Variant.split > 1)."""
+    return tuple(Kernel(name + suffix, functools.partial(mixes_body, collapse=collapse, stage=stage), configs=CONFIGS)
+                 for suffix, stage in (("", "single"), ("_split", "split"), ("_finish", "finish")))
 
 
-KERNEL = Kernel("hc_mixes", body, configs={"default": Config(), "c": Config(chunk=64, threads=1)})
+def launch_mixes(launch, name: str, collapse: bool, v, streams, fn, base, scale, outs, hc_eps, norm_eps) -> None:
+    """Launch `name`'s mixes for variant `v`; `outs` the fp32 mixes and collapse outputs in kernel order. Split:
+    fp32 workspaces of partial dot products [M, split, MIX] and sums of squares [M, split] on the streams' device."""
+    m, n, h = streams.shape
+    s = streams.reshape(m, n * h).contiguous()
+    base, scale, eps = base.float().contiguous(), scale.float().contiguous(), (float(hc_eps), float(norm_eps))
+    if v.split == 1:
+        launch(name, v)(s, fn.float().contiguous(), base, scale, *outs, *eps)
+        return
+    mix = (2 + n) * n
+    dots = torch.empty(m, v.split, mix, dtype=torch.float32, device=streams.device)
+    sq = torch.empty(m, v.split, dtype=torch.float32, device=streams.device)
+    launch(name + "_split", v)(s, fn.float().contiguous(), dots.view(m, v.split * mix), sq)
+    launch(name + "_finish", v)(*((s,) if collapse else ()), dots.view(m, v.split * mix), sq, base, scale,
+                                *outs, *eps)
+
+
+KERNELS = kernels("hc_mixes", collapse=False)
 
 
 def variant(streams: torch.Tensor, sinkhorn_iters: int) -> Variant:
     """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
-    _, n, h = streams.shape
-    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype))
+    m, n, h = streams.shape
+    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype), split=split_for(m, n * h))
 
 
 def check(op: str, streams, fn, base, scale, sinkhorn_iters) -> None:
@@ -226,9 +372,8 @@ def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     pre = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
-    launch("hc_mixes", variant(streams, sinkhorn_iters))(
-        streams.reshape(m, n * h).contiguous(), fn.float().contiguous(), base.float().contiguous(),
-        scale.float().contiguous(), pre, post, comb, float(hc_eps), float(norm_eps))
+    launch_mixes(launch, "hc_mixes", False, variant(streams, sinkhorn_iters), streams, fn, base, scale,
+                 (pre, post, comb), hc_eps, norm_eps)
     return pre, post, comb.view(m, n, n)
 
 
@@ -241,8 +386,8 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "hc_mixes", "mHC pre/post/comb mixes with Sinkhorn (no collapse)", reference,
-    kernels=(KERNEL,),
+    kernels=KERNELS,
     # fp32 outputs whatever the streams' dtype: sums in another order (hc_pre's 2e-2 is for its bf16 collapse)
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (1e-4, 1e-4)},
-    run=run, example=example,
+    run=run, example=example, row_samples=(SPLIT_ROWS + 1,),
 )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl
+from tilekernels.op import OpDecl
 from tilekernels.ops import hc_collapse, hc_mixes
 
 
@@ -32,25 +32,19 @@ class Variant:
     hidden: int  # H
     iters: int  # Sinkhorn iterations
     dtype: str
+    split: int = 1  # column parts per token (split-K, `hc_mixes.split_for`): 1 one pass; S > 1 partial + finish
 
 
-@dataclass(frozen=True)
-class Config:
-    chunk: int = 512  # stream columns per step of the mixing matvec
-    threads: int = 128
-
-
-def body(P, v: Variant, cfg: Config):
-    return hc_mixes.mixes_body(P, v, cfg, collapse=True)  # the mixes kernel, storing the collapse instead of pre
-
-
-KERNEL = Kernel("hc_pre", body, configs={"default": Config(), "c": Config(chunk=64, threads=1)})
+# hc_mixes' kernels, storing the collapse instead of pre: "hc_pre" one pass per token; "hc_pre_split" partial
+# mixing products of (token, part) tiles and "hc_pre_finish" their sum per token, the tail and the collapse
+KERNELS = hc_mixes.kernels("hc_pre", collapse=True)
 
 
 def variant(streams: torch.Tensor, sinkhorn_iters: int) -> Variant:
     """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
-    _, n, h = streams.shape
-    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype))
+    m, n, h = streams.shape
+    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype),
+                   split=hc_mixes.split_for(m, n * h))
 
 
 def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
@@ -60,8 +54,7 @@ def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
     out = torch.empty(m, h, dtype=streams.dtype, device=streams.device)
-    launch("hc_pre", v)(streams.reshape(m, n * h).contiguous(), fn.float().contiguous(), base.float().contiguous(),
-                        scale.float().contiguous(), post, comb, out, float(hc_eps), float(norm_eps))
+    hc_mixes.launch_mixes(launch, "hc_pre", True, v, streams, fn, base, scale, (post, comb, out), hc_eps, norm_eps)
     return post, comb.view(m, n, n), out
 
 
@@ -70,7 +63,7 @@ example = hc_mixes.example  # the same arguments: streams, fn, base, scale, iter
 
 OP = OpDecl(
     "hc_pre", "mHC mixes with Sinkhorn and stream collapse", reference,
-    kernels=(KERNEL,),
+    kernels=KERNELS,
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
-    run=run, example=example,
+    run=run, example=example, row_samples=(hc_mixes.SPLIT_ROWS + 1,),
 )
