@@ -37,12 +37,9 @@ class V41SlotCache(SlotBlocks):
         held = len(seq.blocks)
         if not super().grow(seq, tokens):
             return False
-        if len(seq.blocks) > held:  # the new blocks enter the slot's table row (no host stall on a GPU)
+        if len(seq.blocks) > held:  # the new blocks enter the slot's table row
             new = torch.tensor(seq.blocks[held:], dtype=torch.long)
-            device = self.paged.tables.device
-            if device.type == "cuda":
-                new = new.pin_memory()
-            self.paged.tables[seq.slot, held: len(seq.blocks)] = new.to(device, non_blocking=True)
+            self.paged.tables[seq.slot, held: len(seq.blocks)] = new.to(self.paged.tables.device, non_blocking=True)
         return True
 
     def check_held(self, seq: SeqCache, new_tokens: int) -> None:
