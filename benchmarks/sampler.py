@@ -57,7 +57,7 @@ def measure(device: str, batch: int, setting: str, iters: int, graph: bool = Fal
         penalized = [h if p.penalized else None for h, p in zip(histories, params)]
         if graphs is not None:
             state.prepare(slots, owners, penalized)
-            graphs.run(logits, batch, params, seeds, positions, slots)  # ends in .tolist(): synchronised
+            graphs.run(logits, batch, params, seeds, positions, slots).tolist()  # synchronised
             return
         seen = None
         if features.penalties:

@@ -50,6 +50,7 @@ class LLM:
         random_seed: int = 0,
         show_progress: bool = False,
         quantization: str = "auto",
+        async_scheduling: bool = True,
     ):
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
                       gpu_memory_utilization, random_seed, quantization)
@@ -86,8 +87,11 @@ class LLM:
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
-        self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens), self.grammars,
-                             max_len=self.max_model_len)
+        self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens, async_scheduling),
+                             self.grammars, max_len=self.max_model_len)
+        begin = time.perf_counter()
+        self.engine.capture_all()  # every decode-graph bucket at start, not in the first requests' path
+        log.info("decode graphs captured in %.2f s", time.perf_counter() - begin)
         self.last_stats: RunStats | None = None
 
     # ---- public API ----------------------------------------------------------------------------

@@ -110,6 +110,8 @@ def run() -> None:
               help="Longest sequence (prompt + output) [default: min(model limit, 8192)].")
 @click.option("--num-blocks", type=click.IntRange(min=1), default=None,
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
+@click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+              help="Prepare the next decode step on the CPU while the device runs this one (same outputs).")
 def offline(**options) -> None:
     """Generate for a batch of prompts, writing each result as soon as it finishes.
 
@@ -158,8 +160,8 @@ class _Item:
 
 
 def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
-             max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, explicit=frozenset(),
-             **flags) -> int:
+             max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, async_scheduling=True,
+             explicit=frozenset(), **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
     from deepinfer.prompts_file import plain_line, read_lines
@@ -231,7 +233,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
                        "with RANDOM weights (its output is meaningless text)", err=True)
         llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
-                  show_progress=True, quantization=quantization)
+                  show_progress=True, quantization=quantization, async_scheduling=async_scheduling)
         ops = f"TileLang kernels for {llm.backend.kernel_target}" if llm.backend.kernel_target else "PyTorch reference ops"
         spec = llm.cache.spec
         click.echo(f"deepinfer: model {model_dir or 'tiny-random'} ({llm.config.num_hidden_layers} layers, "

@@ -160,7 +160,7 @@ def test_the_graph_sampler_gives_the_eager_tokens_and_counts():
         state.prepare(slots, owners, histories)
         eager = sample(logits[:batch], params_now, list(range(batch)), [position] * batch,
                        state.rows(torch.tensor(slots)))
-        got = graphs.run(logits, batch, params_now, list(range(batch)), [position] * batch, slots)
+        got = graphs.run(logits, batch, params_now, list(range(batch)), [position] * batch, slots).tolist()
         assert got == eager
         histories = [History(h.prompt, list(h.generated) + [t]) for h, t in zip(histories, got)]
         rows = state.rows(torch.tensor(slots))

@@ -203,7 +203,7 @@ class ModelWeights:
             moe = MoE(
                 gate=t[m + "gate.weight"],
                 bias=t.get(m + "gate.e_score_correction_bias"),
-                tid2eid=t.get(m + "gate.tid2eid"),
+                tid2eid=_int32(t.get(m + "gate.tid2eid")),  # converted once here, not per call
                 gate_up=t[m + "experts.gate_up_proj"],
                 down=t[m + "experts.down_proj"],
                 shared_gate_up=_join_rows(t[m + "shared_experts.gate_proj.weight"], t[m + "shared_experts.up_proj.weight"],
@@ -284,3 +284,8 @@ def _compressor(t: Mapping[str, torch.Tensor], prefix: str) -> Compressor:
     return Compressor(
         t[prefix + "kv_proj.weight"], t[prefix + "gate_proj.weight"], t[prefix + "position_bias"], t[prefix + "kv_norm.weight"]
     )
+
+
+def _int32(table: torch.Tensor | None) -> torch.Tensor | None:
+    """The hash-routing table in the gate kernel's index type (the reference ops index with it as well)."""
+    return None if table is None else table.to(torch.int32)

@@ -3,11 +3,17 @@
 A sequence holds one slot (its bounded state) and a list of blocks (`block_tokens` positions each) covering its
 positions. The scheduler admits, grows, preempts and releases through this class only; what a slot or a block
 physically holds is the subclass's business (V4's `PagedCache`, V4.1's `V41SlotCache`: paged tensors).
+
+A subclass whose steps find blocks on the device sets `tables` ([slots + 1, max_blocks_per_seq] int64): a slot's
+row lists its sequence's blocks, written as the sequence grows (one small copy per new block) and reset to the
+scratch block on release, so a step reads it in place instead of a table built on the host each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from deepinfer.errors import RequestError
 from deepinfer.runtime.cache_layout import CacheSpec
@@ -24,6 +30,8 @@ class SeqCache:
 
 class SlotBlocks:
     """Free lists of slots and blocks for a `CacheSpec`; slot `max_seqs` and block `num_blocks` are scratch."""
+
+    tables: torch.Tensor | None = None
 
     def __init__(self, spec: CacheSpec):
         self.spec = spec
@@ -75,11 +83,24 @@ class SlotBlocks:
             return True
         if need > len(self._free_blocks) or self.blocks_for(tokens) > self.spec.max_blocks_per_seq:
             return False
+        held = len(seq.blocks)
         seq.blocks.extend(self._free_blocks.pop() for _ in range(need))
+        if self.tables is not None:  # the new blocks enter the slot's table row
+            new = torch.tensor(seq.blocks[held:], dtype=torch.long)
+            self.tables[seq.slot, held: len(seq.blocks)] = new.to(self.tables.device, non_blocking=True)
         return True
+
+    def check_held(self, seq: SeqCache, new_tokens: int) -> None:
+        """A sequence's blocks cover the positions a step writes (else its writes would land in the scratch
+        block): the scheduler grows before it schedules."""
+        if len(seq.blocks) * self.spec.block_tokens < seq.num_tokens + new_tokens:
+            raise AssertionError(f"slot {seq.slot} holds {len(seq.blocks)} blocks of {self.spec.block_tokens} "
+                                 f"positions, fewer than its {seq.num_tokens} + {new_tokens} tokens")
 
     def release(self, seq: SeqCache) -> None:
         """Return a sequence's slot and blocks (its slot state is reset on its next admission)."""
+        if self.tables is not None:
+            self.tables[seq.slot] = self.scratch_block  # no stale blocks in a free slot's row
         self._free_blocks.extend(reversed(seq.blocks))
         seq.blocks = []
         self._free_slots.append(seq.slot)

@@ -8,7 +8,8 @@ in every layer (block_tokens / rate entries per compressed layer). A sequence ho
 
 Per layer, the window ring and the entries share one K=V pool tensor, so that attention gathers its rows from
 one tensor by row index. Slot `max_seqs` and block `num_blocks` are scratch: padded batch rows and entries that
-are not being written this step go there.
+are not being written this step go there. Decode steps find a sequence's blocks in the device-resident block
+table `tables` (a row per slot, kept by `SlotBlocks` as sequences grow and are released).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class PagedCache(SlotBlocks):
         super().__init__(spec)
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.layout = CacheLayout.build(cfg, spec, dtype)
+        self.tables = torch.full((spec.max_seqs + 1, spec.max_blocks_per_seq), self.scratch_block, dtype=torch.long,
+                                 device=device)
         self.layers: list[LayerCache] = []
         for lay in self.layout.layers:
             pool = lay.pool.allocate(device)

@@ -1,6 +1,16 @@
 """The generation loop: the scheduler picks each step, the model runs it through `ModelSteps` (prefill chunks,
 decode batches: DeepSeek-V4 or V4.1 alike); sampled tokens are appended and finished requests release their
-cache."""
+cache.
+
+Asynchronous scheduling (on by default, `SchedulerConfig.async_scheduling`): a decode step's sampled tokens stay
+on the device (copied back without waiting, `TokenReadback`) and the next decode step is scheduled and launched
+before the host reads them, feeding them on the device (`DeviceIds`); the host then appends step N's tokens,
+detokenizes, checks stops and fills step N+1's grammar masks while the device runs step N+1's forward. A request
+that finished at step N still has a row in step N+1 (computed, then dropped); its slot and blocks are released
+only once step N+1 has landed, so no block a step in flight reads is freed or reused. Whenever the scheduler
+could do anything but decode the same requests again (admit, prefill, preempt), the flight lands first and
+scheduling proceeds as without overlap. Tokens depend only on each row's logits, parameters, seed and position,
+so the outputs are the same either way."""
 
 from __future__ import annotations
 
@@ -13,7 +23,8 @@ import torch
 from deepinfer.runtime.blocks import SlotBlocks
 from deepinfer.runtime.request import Request, RequestOutput
 from deepinfer.runtime.sampler import Features, History, PenaltyState, SamplerGraphs, pack, select_tokens
-from deepinfer.runtime.scheduler import DecodeStep, PrefillStep, Scheduler, SchedulerConfig
+from deepinfer.runtime.scheduler import PrefillStep, Scheduler, SchedulerConfig
+from deepinfer.runtime.staging import DeviceIds, TokenReadback
 from deepinfer.runtime.steps import ModelSteps
 from deepinfer.serving.structured import Grammars, apply_masks
 
@@ -26,9 +37,20 @@ class RunStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    ahead_steps: int = 0  # decode steps launched before the host had seen the previous step's tokens
+    dropped_rows: int = 0  # rows of those steps whose request had finished meanwhile (computed, then dropped)
     preemptions: int = 0
     mask_seconds: float = 0.0  # structured-output masks (bitmask fill and application)
     first_token_time: float | None = None
+
+
+@dataclass
+class _Flight:
+    """A decode step whose sampled tokens the host has not read yet."""
+
+    requests: list[Request]
+    tokens: torch.Tensor  # [n] on the device
+    readback: TokenReadback
 
 
 class Engine:
@@ -40,12 +62,20 @@ class Engine:
         self.max_len = min(steps.max_positions, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
         self.penalties = PenaltyState(cache.spec.max_seqs, steps.vocab_size, steps.device)
         self.sampler = self._sampler()
+        self.in_flight: tuple[Request, ...] = ()  # the requests of the decode step in flight
+        self._held: list[Request] = []  # finished, with a row in the step in flight: released when it lands
 
     def _sampler(self) -> SamplerGraphs | None:
         """Where decode steps replay graphs, their sampling replays one too (None: eager)."""
         capture = self.steps.capture
         return (SamplerGraphs(self.penalties, self.steps.vocab_size, self.cache.scratch_slot, capture)
                 if capture is not None else None)
+
+    def capture_all(self) -> None:
+        """Capture every decode-graph bucket and its sampler now (start-up), where the steps capture at all."""
+        for logits in self.steps.capture_all():
+            if self.sampler is not None:
+                self.sampler.prepare(logits)
 
     @property
     def graphs(self):
@@ -67,29 +97,42 @@ class Engine:
         for r in requests:
             scheduler.add(r)
         outputs: dict[int, RequestOutput] = {}
+
+        def finished(r: Request) -> None:
+            outputs[r.index] = self._output(r)
+            if on_finish is not None:
+                on_finish(outputs[r.index])
+
+        flight: _Flight | None = None
         try:
-            while scheduler.has_work():
+            while scheduler.has_work() or flight is not None:
+                begin = time.perf_counter()
+                if flight is not None:
+                    flight = self._follow(flight, scheduler, stats, finished)
+                    stats.decode_seconds += time.perf_counter() - begin
+                    continue
                 step = scheduler.next_step()
                 if isinstance(step, PrefillStep):
-                    self._prefill(step, stats)
-                    active = [r for r, _ in step.chunks]
-                else:
-                    self._decode(step, stats)
-                    active = list(step.requests)
-                for r in active:
-                    if r.finish_reason is not None and r in scheduler.running:
-                        scheduler.finish(r)
-                        outputs[r.index] = self._output(r)
-                        if on_finish is not None:
-                            on_finish(outputs[r.index])
+                    self._prefill(step, scheduler, stats, finished)
+                elif step.requests:
+                    reqs = list(step.requests)
+                    flight = self._launch(reqs, [r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
+                                          stats)
+                    if not self.config.async_scheduling:
+                        flight = self._land(flight, scheduler, stats, finished, None)
+                    stats.decode_seconds += time.perf_counter() - begin
         finally:  # an error mid-run must not leave slots and blocks taken in the cache the LLM keeps
+            self.in_flight = ()
             for r in list(scheduler.running):
                 scheduler.finish(r)
+            for r in self._held:
+                scheduler.release(r)
+            self._held = []
         stats.preemptions = scheduler.preemptions
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs.values())
         return [outputs[r.index] for r in requests], stats
 
-    def _prefill(self, step: PrefillStep, stats: RunStats) -> None:
+    def _prefill(self, step: PrefillStep, scheduler: Scheduler, stats: RunStats, finished) -> None:
         ids, positions, seqs, logit_rows, sampling = [], [], [], [], []
         offset = 0
         for r, take in step.chunks:
@@ -104,33 +147,70 @@ class Engine:
         begin = time.perf_counter()
         logits = self.steps.prefill(ids, positions, seqs, logit_rows)
         if sampling:
-            self._sample_and_append(sampling, logits, stats)
+            tokens = TokenReadback(self._sample(sampling, logits, stats, decode=False)).tokens()
+            for r in self._append(sampling, tokens):
+                scheduler.finish(r)
+                finished(r)
         stats.prefill_seconds += time.perf_counter() - begin
         stats.prompt_tokens += len(ids)
         if sampling and stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
 
-    def _decode(self, step: DecodeStep, stats: RunStats) -> None:
-        reqs = list(step.requests)
-        if not reqs:
-            return
-        begin = time.perf_counter()
-        logits = self.steps.decode([r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
-                                   [r.cache for r in reqs])
-        self._sample_and_append(reqs, logits, stats, decode=True)
-        stats.decode_seconds += time.perf_counter() - begin
+    def _launch(self, reqs: list[Request], ids: list[int] | DeviceIds, positions: list[int], stats: RunStats,
+                ) -> _Flight:
+        """A decode step's forward, then its sampling (the step's tokens stay on the device)."""
+        logits = self.steps.decode(ids, positions, [r.cache for r in reqs])
+        self.in_flight = tuple(reqs)
         stats.decode_steps += 1
-        stats.decode_tokens += len(reqs)
+        tokens = self._sample(reqs, logits, stats, decode=True)
+        return _Flight(reqs, tokens, TokenReadback(tokens))
 
-    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats,
-                           decode: bool = False) -> None:
-        states = [r.constraint for r in reqs]
-        if any(s is not None for s in states):
-            begin = time.perf_counter()
-            apply_masks(logits, states, self.grammars)
-            stats.mask_seconds += time.perf_counter() - begin
-        tokens = self._sample(reqs, logits, decode)
-        now = time.perf_counter()
+    def _follow(self, flight: _Flight, scheduler: Scheduler, stats: RunStats, finished) -> _Flight | None:
+        """With a step in flight: launch the next decode step of the same requests (fed the flight's tokens on the
+        device), then land the flight while it runs, then sample it. Lands the flight alone (returns None) when the
+        scheduler has anything else to do."""
+        continuing = [r for r in flight.requests if r.finish_reason is None and not self._ends_after_next(r)]
+        step = scheduler.decode_ahead(continuing) if continuing else None
+        if step is None:
+            return self._land(flight, scheduler, stats, finished, None)
+        reqs = list(step.requests)
+        row = {id(r): i for i, r in enumerate(flight.requests)}
+        logits = self.steps.decode(DeviceIds(flight.tokens, [row[id(r)] for r in reqs]),
+                                   [r.num_tokens for r in reqs], [r.cache for r in reqs])
+        stats.decode_steps += 1
+        stats.ahead_steps += 1
+        self._land(flight, scheduler, stats, finished, reqs)
+        live = [r.finish_reason is None for r in reqs]
+        stats.dropped_rows += live.count(False)
+        tokens = self._sample(reqs, logits, stats, decode=True, live=live)
+        return _Flight(reqs, tokens, TokenReadback(tokens))
+
+    def _land(self, flight: _Flight, scheduler: Scheduler, stats: RunStats, finished,
+              nxt: list[Request] | None) -> None:
+        """Read a flight's tokens and append them; its finished requests leave, their cache released now, or when
+        the step launched after it (`nxt`: its requests, which still have rows of theirs) lands."""
+        tokens = flight.readback.tokens()
+        self.in_flight = () if nxt is None else tuple(nxt)
+        for r in self._held:  # the flight has landed: no step reads their blocks any more
+            scheduler.release(r)
+        self._held = []
+        rows = [i for i, r in enumerate(flight.requests) if r.finish_reason is None]
+        stats.decode_tokens += len(rows)
+        for r in self._append([flight.requests[i] for i in rows], [tokens[i] for i in rows]):
+            scheduler.retire(r)
+            if nxt is not None and r in nxt:
+                self._held.append(r)
+            else:
+                scheduler.release(r)
+            finished(r)
+
+    def _ends_after_next(self, r: Request) -> bool:
+        """Whether the request finishes on the token in flight whatever it is (its length limits)."""
+        return len(r.generated) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.max_len
+
+    def _append(self, reqs: list[Request], tokens: list[int]) -> list[Request]:
+        """Append each request's token (detokenize, stop checks, grammar advance); the requests that finished."""
+        now, done = time.perf_counter(), []
         for r, token in zip(reqs, tokens):
             r.generated.append(token)
             if r.first_token_time is None:
@@ -140,16 +220,27 @@ class Engine:
             if token in self.eos and not r.params.ignore_eos:
                 r.output.push_stop_token()
                 r.finish_reason = "stop"
-                continue
-            r.output.push(token)
-            if r.output.stopped or (r.constraint is not None and r.constraint.done):
-                r.finish_reason = "stop"
-            elif len(r.generated) >= r.params.max_new_tokens or r.num_tokens >= self.max_len:
-                r.finish_reason = "length"
+            else:
+                r.output.push(token)
+                if r.output.stopped or (r.constraint is not None and r.constraint.done):
+                    r.finish_reason = "stop"
+                elif len(r.generated) >= r.params.max_new_tokens or r.num_tokens >= self.max_len:
+                    r.finish_reason = "length"
+            if r.finish_reason is not None:
+                done.append(r)
+        return done
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, decode: bool) -> list[int]:
-        """One token per request: through the captured sampler after a graph-replayed decode step, else eagerly
-        with only the stages the batch needs. Penalized requests' slots get their penalty rows first."""
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats, decode: bool,
+                live: list[bool] | None = None) -> torch.Tensor:
+        """One token per row [n] (a device tensor): through the captured sampler after a graph-replayed decode
+        step, else eagerly with only the stages the batch needs; the grammar masks of live constrained rows
+        first (rows of requests that already finished are sampled unmasked and dropped). Penalized requests'
+        slots get their penalty rows first."""
+        states = [r.constraint if live is None or live[i] else None for i, r in enumerate(reqs)]
+        if any(s is not None for s in states):
+            begin = time.perf_counter()
+            apply_masks(logits, states, self.grammars)
+            stats.mask_seconds += time.perf_counter() - begin
         params = [r.params for r in reqs]
         seeds, positions = [r.seed for r in reqs], [r.num_tokens for r in reqs]
         slots = [r.cache.slot for r in reqs]
@@ -160,6 +251,8 @@ class Engine:
                                                  for r in reqs])
         if graph:
             return self.sampler.run(self.steps.last_logits, len(reqs), params, seeds, positions, slots)
+        if not (features.sampled or features.bias or features.penalties):
+            return logits.argmax(dim=-1)  # greedy: nothing to send
         device = logits.device
         seen = index = None
         if features.penalties:
@@ -168,7 +261,7 @@ class Engine:
         tokens = select_tokens(logits, pack(params, seeds, positions, logits.shape[-1], device), seen, features)
         if features.penalties:
             self.penalties.record(index, tokens)
-        return tokens.tolist()
+        return tokens
 
     def _output(self, r: Request) -> RequestOutput:
         parsed = r.output.finish(r.finish_reason)

@@ -1,6 +1,12 @@
-"""Decode steps through preplanned static buffers: one graph per batch-size bucket, captured the first time a
-step of that bucket runs where the backend can capture, and run eagerly where it cannot (CPU).
-Inputs are padded to the bucket with rows that read and write only the cache's scratch slot and blocks."""
+"""Decode steps through preplanned static buffers: one graph per batch-size bucket, captured where the backend
+can capture (all of them at start, `capture_all`, largest first into one memory pool; else the first time a step
+of that bucket runs), and run eagerly where it cannot (CPU).
+
+A step's inputs (ids, positions, cache slots) go to the device with one copy through pinned memory; the block
+table is not sent at all: the captured step gathers its rows from the cache's device-resident table by slot.
+Inputs are padded to the bucket with rows that read and write only the cache's scratch slot and blocks. The ids
+may instead be gathered on the device (`DeviceIds`: the tokens the previous step sampled, not yet seen by the
+host)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer.runtime.cache import PagedCache, SeqCache
+from deepinfer.runtime.staging import DeviceIds, InputStage
 from deepinfer.model.decode import DecodeInputs
 from deepinfer.model.model import DeepseekV4
 
@@ -21,9 +28,28 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
 
 
+STAGED = 4  # staged input rows: ids, positions, slots, and the rows of device ids (`DeviceIds.rows`)
+
+
+def stage_rows(ids: list[int] | DeviceIds, positions: list[int], slots: list[int], size: int,
+               scratch_slot: int) -> list[list[int]]:
+    """The [STAGED, size] rows of a step padded to its bucket (device ids stage their rows; `take_ids` gathers)."""
+    pad = size - len(positions)
+    host_ids, rows = ([0] * len(positions), ids.rows) if isinstance(ids, DeviceIds) else (list(ids), [0] * len(ids))
+    return [host_ids + [0] * pad, list(positions) + [0] * pad, list(slots) + [scratch_slot] * pad, rows + [0] * pad]
+
+
+def take_ids(ids: list[int] | DeviceIds, staged: torch.Tensor) -> None:
+    """Device ids into the staged ids row: gathered on the device by the staged rows (no host synchronisation)."""
+    if isinstance(ids, DeviceIds):
+        n = len(ids)
+        staged[0, :n] = ids.tokens.index_select(0, staged[3, :n])
+
+
 @dataclass
 class _Bucket:
     inputs: DecodeInputs
+    stage: InputStage
     logits: torch.Tensor | None = None
     replay: Callable[[], Any] | None = None
 
@@ -40,35 +66,40 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def capture_all(self) -> list[torch.Tensor]:
+        """Capture every bucket now, the largest first (its memory serves the smaller ones from the shared pool);
+        their logits buffers (none where nothing is captured)."""
+        if self.capture is None:
+            return []
+        return [self._static(size).logits for size in sorted(self.buckets, reverse=True)]
+
+    def _step(self, inputs: DecodeInputs) -> torch.Tensor:
+        torch.index_select(self.cache.tables, 0, inputs.slots, out=inputs.blocks)
+        return self.model.decode(self.cache, inputs)
+
     def _static(self, size: int) -> _Bucket:
         if size not in self._graphs:
             device, cache = self.model.device, self.cache
-            inputs = DecodeInputs(
-                ids=torch.zeros(size, dtype=torch.long, device=device),
-                positions=torch.zeros(size, dtype=torch.long, device=device),
-                slots=torch.full((size,), cache.scratch_slot, dtype=torch.long, device=device),
-                blocks=torch.full((size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long,
-                                  device=device),
-            )
-            bucket = _Bucket(inputs)
+            stage = InputStage(STAGED, size, device)
+            stage.staged[2].fill_(cache.scratch_slot)
+            ids, positions, slots, _ = stage.staged
+            inputs = DecodeInputs(ids, positions, slots, blocks=torch.full(
+                (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device))
+            bucket = _Bucket(inputs, stage)
             if self.capture is not None:  # all rows are padding while capturing: only scratch state is touched
-                bucket.logits, bucket.replay = self.capture(lambda: self.model.decode(self.cache, inputs))
+                bucket.logits, bucket.replay = self.capture(lambda: self._step(inputs))
             self._graphs[size] = bucket
         return self._graphs[size]
 
-    def run(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
-        """fp32 logits [n, V] of one decode step for n sequences."""
-        n = len(ids)
+    def run(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
+        """fp32 logits [n, V] of one decode step for n sequences; `ids` host ints or `DeviceIds`."""
+        n = len(positions)
         bucket = self._static(self.bucket(n))
-        inp, cache = bucket.inputs, self.cache
-        size = inp.ids.shape[0]
-        pad = size - n
-        inp.ids.copy_(torch.tensor(ids + [0] * pad))
-        inp.positions.copy_(torch.tensor(positions + [0] * pad))
-        inp.slots.copy_(torch.tensor([s.slot for s in seqs] + [cache.scratch_slot] * pad))
-        inp.blocks.copy_(cache.block_table(seqs, rows=size))
+        size = bucket.inputs.ids.shape[0]
+        take_ids(ids, bucket.stage.send(stage_rows(ids, positions, [s.slot for s in seqs], size,
+                                                   self.cache.scratch_slot)))
         if bucket.replay is None:
-            return self.model.decode(cache, inp)[:n]
+            return self._step(bucket.inputs)[:n]
         bucket.replay()
         self.last_logits = bucket.logits
         return bucket.logits[:n]

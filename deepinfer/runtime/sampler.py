@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from deepinfer.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams, draw_seed, uniform
+from deepinfer.runtime.staging import InputStage
 
 _BELOW_ONE = 1.0 - 2.0**-24  # the largest fp32 below 1: a uniform never rounds up to 1 (past the last kept token)
 
@@ -62,18 +63,24 @@ class Packed:
     bias: torch.Tensor
 
 
+def knob_rows(params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
+              vocab: int) -> list[list[float]]:
+    """The batch's `knobs` rows on the host (each row's uniform drawn from its seed and position)."""
+    return [[p.temperature if not p.greedy else 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p,
+             p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+             0.0 if p.greedy else min(uniform(draw_seed(s, pos)), _BELOW_ONE), float(p.greedy)]
+            for p, s, pos in zip(params, seeds, positions)]
+
+
 def pack(params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int], vocab: int,
-         device: torch.device | str, bias_width: int | None = None) -> Packed:
+         device: torch.device | str) -> Packed:
     """The batch's parameters (and each row's uniform) as device tensors."""
-    knobs = [[p.temperature if not p.greedy else 1.0, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p,
-              p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-              0.0 if p.greedy else min(uniform(draw_seed(s, pos)), _BELOW_ONE), float(p.greedy)]
-             for p, s, pos in zip(params, seeds, positions)]
-    width = max((len(p.logit_bias) for p in params), default=0) if bias_width is None else bias_width
+    knobs = knob_rows(params, seeds, positions, vocab)
+    width = max((len(p.logit_bias) for p in params), default=0)
     ids = [[0] * width for _ in params]
     vals = [[0.0] * width for _ in params]
     for i, p in enumerate(params):
-        for j, (token, b) in enumerate(list(p.logit_bias.items())[:width]):
+        for j, (token, b) in enumerate(p.logit_bias.items()):
             ids[i][j], vals[i][j] = token, b
     device = torch.device(device)
     return Packed(torch.tensor(knobs, dtype=torch.float32).to(device), torch.tensor(ids, dtype=torch.long).to(device),
@@ -235,7 +242,8 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 @dataclass
 class _Bucket:
     packed: Packed
-    index: torch.Tensor
+    knobs: InputStage  # stages `packed.knobs`
+    index: InputStage  # stages the slots' penalty rows [1, size]
     tokens: torch.Tensor
     replay: Callable[[], Any]
     bias_set: bool = False  # the bias buffers hold an earlier step's entries
@@ -243,8 +251,9 @@ class _Bucket:
 
 class SamplerGraphs:
     """The decode step's sampler captured per batch-size bucket (every feature on), reading the bucket's logits
-    buffer, the slots' penalty rows and the packed parameters copied into static buffers, and counting the
-    drawn tokens into the penalty state inside the same graph."""
+    buffer, the slots' penalty rows and the packed parameters copied into static buffers (through pinned
+    memory, without waiting for the device), and counting the drawn tokens into the penalty state inside the
+    same graph."""
 
     def __init__(self, state: PenaltyState, vocab: int, scratch_slot: int,
                  capture: Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], Any]]]):
@@ -252,18 +261,20 @@ class SamplerGraphs:
         self._buckets: dict[int, _Bucket] = {}
         state.allocate()
 
+    def prepare(self, logits: torch.Tensor) -> None:
+        """Capture the sampler of the bucket whose logits buffer is `logits` (start-up), if not yet captured."""
+        if logits.shape[0] not in self._buckets:
+            self._buckets[logits.shape[0]] = self._capture(logits)
+
     def run(self, logits: torch.Tensor, n: int, params: Sequence[SamplingParams], seeds: Sequence[int],
-            positions: Sequence[int], slots: Sequence[int]) -> list[int]:
-        """Tokens for the first n rows of the bucket-sized `logits` buffer (a static tensor); every slot of
-        `slots` must have been prepared in the penalty state."""
-        size = logits.shape[0]
-        if size not in self._buckets:
-            self._buckets[size] = self._capture(logits)
-        b = self._buckets[size]
-        pad = size - n
-        fresh = pack(list(params) + [SamplingParams(temperature=0)] * pad, list(seeds) + [0] * pad,
-                     list(positions) + [0] * pad, self.vocab, logits.device, bias_width=0)
-        b.packed.knobs.copy_(fresh.knobs)
+            positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """Tokens [n] (a device tensor, no host synchronisation) for the first n rows of the bucket-sized
+        `logits` buffer (a static tensor); every slot of `slots` must have been prepared in the penalty state."""
+        self.prepare(logits)
+        b = self._buckets[logits.shape[0]]
+        pad = logits.shape[0] - n
+        b.knobs.send(knob_rows(list(params) + [SamplingParams(temperature=0)] * pad, list(seeds) + [0] * pad,
+                               list(positions) + [0] * pad, self.vocab))
         entries = [(i, j, token, bias) for i, p in enumerate(params)
                    for j, (token, bias) in enumerate(p.logit_bias.items())]
         if b.bias_set:  # zero what an earlier step left
@@ -274,22 +285,24 @@ class SamplerGraphs:
             b.packed.bias_ids[rows, cols] = quads[:, 2].long()
             b.packed.bias[rows, cols] = quads[:, 3].float()
         b.bias_set = bool(entries)
-        b.index.copy_(torch.tensor(list(slots) + [self.scratch_slot] * pad))
+        b.index.send([list(slots) + [self.scratch_slot] * pad])
         b.replay()
-        return b.tokens[:n].tolist()
+        return b.tokens[:n]
 
     def _capture(self, logits: torch.Tensor) -> _Bucket:
         size, device = logits.shape[0], logits.device
-        packed = Packed(torch.zeros(size, WIDTH, device=device),
-                        torch.zeros(size, MAX_LOGIT_BIAS, dtype=torch.long, device=device),
+        knobs = InputStage(size, WIDTH, device, torch.float32)
+        packed = Packed(knobs.staged, torch.zeros(size, MAX_LOGIT_BIAS, dtype=torch.long, device=device),
                         torch.zeros(size, MAX_LOGIT_BIAS, device=device))
         packed.knobs[:, [TEMP, TOPK, TOPP, REP, GREEDY]] = torch.tensor([1.0, self.vocab, 1.0, 1.0, 1.0], device=device)
-        index = torch.full((size,), self.scratch_slot, dtype=torch.long, device=device)
+        index = InputStage(1, size, device)
+        index.staged.fill_(self.scratch_slot)
+        slots = index.staged[0]
 
         def step() -> torch.Tensor:
-            tokens = select_tokens(logits, packed, self.state.rows(index), ALL)
-            self.state.record(index, tokens)
+            tokens = select_tokens(logits, packed, self.state.rows(slots), ALL)
+            self.state.record(slots, tokens)
             return tokens
 
         tokens, replay = self.capture(step)
-        return _Bucket(packed, index, tokens, replay)
+        return _Bucket(packed, knobs, index, tokens, replay)

@@ -21,12 +21,15 @@ from deepinfer.runtime.request import Request
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once (also the largest decode batch)
     max_prefill_tokens: int = 2048  # prompt tokens per prefill step
+    async_scheduling: bool = True  # prepare the next decode step while the device runs this one
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_prefill_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,34 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request) -> None:
+        self.retire(req)
+        self.release(req)
+
+    def retire(self, req: Request) -> None:
+        """A finished request leaves the running set; its cache stays held until `release` (a step in flight may
+        still read and write it)."""
+        self.running.remove(req)
+
+    def release(self, req: Request) -> None:
         self.cache.release(req.cache)
         req.cache = None
-        self.running.remove(req)
+
+    def decode_ahead(self, requests: list[Request]) -> DecodeStep | None:
+        """The decode step after the one in flight, scheduled before the host has seen that step's tokens: these
+        requests (running, decoding) one position further. None where `next_step` could do anything else (admit a
+        waiting request, run a prefill, preempt for blocks): the caller waits for the flight and schedules then."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        if any(r.in_prefill for r in self.running):
+            return None
+        # the step feeds each request's in-flight token at position num_tokens (its host count lags by one)
+        need = sum(max(0, self.cache.blocks_for(r.num_tokens + 1) - len(r.cache.blocks)) for r in requests)
+        if need > self.cache.free_blocks:
+            return None
+        for r in requests:
+            if not self.cache.grow(r.cache, r.num_tokens + 1):
+                raise AssertionError(f"request {r.index} cannot hold {r.num_tokens + 1} positions")
+        return DecodeStep(tuple(requests))
 
     def next_step(self) -> PrefillStep | DecodeStep:
         self._admit()

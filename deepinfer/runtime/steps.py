@@ -4,7 +4,10 @@ through (the cache side is `SlotBlocks`: admit, grow, release).
 - `prefill(ids, positions, seqs, logit_rows)`: chunks of one or more sequences in one forward; `seqs` lists
   (sequence, first row, rows) of the flat ids/positions, each chunk continuing its sequence at its token count.
   Returns fp32 logits of `logit_rows`; advances each sequence's token count.
-- `decode(ids, positions, seqs)`: one token per sequence; fp32 logits [n, V]; advances the token counts.
+- `decode(ids, positions, seqs)`: one token per sequence; fp32 logits [n, V]; advances the token counts. `ids`
+  are host ints or `DeviceIds` (the previous step's sampled tokens, under asynchronous scheduling).
+- `capture_all()`: capture every decode-graph bucket now (start-up), where the steps capture at all; returns
+  the buckets' logits buffers (the sampler captures over them).
 - `capture`: the decode-graph capture the sampler may share (None: eager), `last_logits`: the bucket-sized
   logits buffer of the last replayed decode step.
 """
@@ -19,6 +22,7 @@ from deepinfer.model.model import DeepseekV4
 from deepinfer.runtime.blocks import SeqCache
 from deepinfer.runtime.cache import PagedCache
 from deepinfer.runtime.graph import DecodeGraphs
+from deepinfer.runtime.staging import DeviceIds
 
 Chunks = list[tuple[SeqCache, int, int]]
 
@@ -37,7 +41,9 @@ class ModelSteps(Protocol):
 
     def prefill(self, ids: list[int], positions: list[int], seqs: Chunks, logit_rows: list[int]) -> torch.Tensor: ...
 
-    def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor: ...
+    def decode(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> torch.Tensor: ...
+
+    def capture_all(self) -> list[torch.Tensor]: ...
 
 
 class V4Steps:
@@ -63,7 +69,10 @@ class V4Steps:
         return self.model.prefill(self.cache, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                   seqs, torch.tensor(logit_rows, dtype=torch.long, device=device))
 
-    def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
+    def capture_all(self) -> list[torch.Tensor]:
+        return self.graphs.capture_all()
+
+    def decode(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
         logits = self.graphs.run(ids, positions, seqs)
         for s in seqs:
             s.num_tokens += 1

@@ -1,6 +1,7 @@
 """DeepSeek-V4.1 decode steps replayed from CUDA graphs: one graph per batch-size bucket (as V4's `DecodeGraphs`),
 captured the first time a step of that bucket runs, over static inputs (ids, positions, cache slots) padded with
-rows of the cache's scratch slot. The captured step is `DeepseekV41.decode_step` with its shapes fixed: the
+rows of the cache's scratch slot and sent with one copy through pinned memory (the ids may instead come from a
+device, `DeviceIds`: the tokens the previous step sampled). The captured step is `DeepseekV41.decode_step` with its shapes fixed: the
 indexers score every compressed entry a slot can hold (masked past each sequence's own), so one graph serves
 every context up to the cache's length."""
 
@@ -14,13 +15,15 @@ import torch
 from deepinfer.model.v41 import DeepseekV41
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_decode import DecodeBatch
-from deepinfer.runtime.graph import batch_buckets
+from deepinfer.runtime.graph import STAGED, batch_buckets, stage_rows, take_ids
+from deepinfer.runtime.staging import DeviceIds, InputStage
 
 
 @dataclass
 class _Bucket:
     ids: torch.Tensor
     step: DecodeBatch
+    stage: InputStage
     logits: torch.Tensor
     replay: Callable[[], Any]
 
@@ -38,23 +41,26 @@ class V41DecodeGraphs:
     def _bucket(self, n: int) -> _Bucket:
         size = next(b for b in self.buckets if b >= n)
         if size not in self._graphs:
-            device = self.model.weights.embed.device
-            ids = torch.zeros(size, dtype=torch.long, device=device)
-            step = DecodeBatch(torch.full((size,), self.scratch, dtype=torch.long, device=device),
-                               torch.zeros(size, dtype=torch.long, device=device), self.cache.max_len - 1)
+            stage = InputStage(STAGED, size, self.model.weights.embed.device)
+            stage.staged[2].fill_(self.scratch)
+            ids, t, slot, _ = stage.staged
+            step = DecodeBatch(slot, t, self.cache.max_len - 1)
             # captured with every row on the scratch slot: only scratch state is touched
             logits, replay = self.capture(lambda: self.model.decode_step(self.cache, ids, step))
-            self._graphs[size] = _Bucket(ids, step, logits, replay)
+            self._graphs[size] = _Bucket(ids, step, stage, logits, replay)
         return self._graphs[size]
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """fp32 logits [n, V] of one decode step for n sequences (the caller advances their token counts)."""
-        n = len(ids)
+    def capture_all(self) -> list[torch.Tensor]:
+        """Capture every bucket now, the largest first (its memory serves the smaller ones from the shared pool);
+        their logits buffers."""
+        return [self._bucket(size).logits for size in sorted(self.buckets, reverse=True)]
+
+    def run(self, ids: list[int] | DeviceIds, positions: list[int], slots: list[int]) -> torch.Tensor:
+        """fp32 logits [n, V] of one decode step for n sequences (the caller advances their token counts); `ids`
+        host ints or `DeviceIds`."""
+        n = len(positions)
         b = self._bucket(n)
-        pad = b.ids.shape[0] - n
-        b.ids.copy_(torch.tensor(ids + [0] * pad))
-        b.step.t.copy_(torch.tensor(positions + [0] * pad))
-        b.step.slot.copy_(torch.tensor(slots + [self.scratch] * pad))
+        take_ids(ids, b.stage.send(stage_rows(ids, positions, slots, b.ids.shape[0], self.scratch)))
         b.replay()
         self.last_logits = b.logits
         return b.logits[:n]

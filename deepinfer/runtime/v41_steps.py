@@ -17,6 +17,7 @@ from deepinfer.model.v41 import DeepseekV41
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_compress import Chunk
 from deepinfer.runtime.blocks import SeqCache, SlotBlocks
+from deepinfer.runtime.staging import DeviceIds, ids_tensor
 from deepinfer.runtime.v41_graphs import V41DecodeGraphs
 from deepinfer.runtime.cache_layout import CacheSpec
 
@@ -26,32 +27,13 @@ class V41SlotCache(SlotBlocks):
         super().__init__(spec)
         self.paged = V41Cache.empty(cfg, spec.max_seqs + 1, spec.max_tokens, dtype, device,  # + the scratch slot
                                     spec.block_tokens, spec.num_blocks)
+        self.tables = self.paged.tables
 
     def admit(self) -> SeqCache | None:
         seq = super().admit()
         if seq is not None:  # a reused slot: every read is bounded by the token count, so this resets it
             self.paged.num_tokens[seq.slot] = 0
         return seq
-
-    def grow(self, seq: SeqCache, tokens: int) -> bool:
-        held = len(seq.blocks)
-        if not super().grow(seq, tokens):
-            return False
-        if len(seq.blocks) > held:  # the new blocks enter the slot's table row
-            new = torch.tensor(seq.blocks[held:], dtype=torch.long)
-            self.paged.tables[seq.slot, held: len(seq.blocks)] = new.to(self.paged.tables.device, non_blocking=True)
-        return True
-
-    def check_held(self, seq: SeqCache, new_tokens: int) -> None:
-        """A sequence's blocks cover the positions a step writes (else its writes would land in the scratch
-        block): the scheduler grows before it schedules."""
-        if len(seq.blocks) * self.spec.block_tokens < seq.num_tokens + new_tokens:
-            raise AssertionError(f"slot {seq.slot} holds {len(seq.blocks)} blocks of {self.spec.block_tokens} "
-                                 f"positions, fewer than its {seq.num_tokens} + {new_tokens} tokens")
-
-    def release(self, seq: SeqCache) -> None:
-        self.paged.tables[seq.slot] = self.scratch_block  # no stale blocks in a free slot's row
-        super().release(seq)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.paged.tensors()
@@ -92,14 +74,17 @@ class V41Steps:
     def last_logits(self) -> torch.Tensor | None:
         return None if self.decode_graphs is None else self.decode_graphs.last_logits
 
-    def decode(self, ids: list[int], positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
+    def capture_all(self) -> list[torch.Tensor]:
+        return [] if self.decode_graphs is None else self.decode_graphs.capture_all()
+
+    def decode(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
         if positions != [s.num_tokens for s in seqs]:
             raise AssertionError(f"decode positions {positions} differ from the sequences' token counts")
         for seq in seqs:
             self.cache.check_held(seq, 1)
         if self.decode_graphs is None:
             chunks = [Chunk(seq.slot, i, 1, seq.num_tokens) for i, seq in enumerate(seqs)]
-            logits = self.model.forward(self.cache.paged, torch.tensor(ids, device=self.device), chunks)
+            logits = self.model.forward(self.cache.paged, ids_tensor(ids, self.device), chunks)
         else:  # the graph's step leaves the model's token counts to its caller
             logits = self.decode_graphs.run(ids, positions, [seq.slot for seq in seqs])
             for seq in seqs:

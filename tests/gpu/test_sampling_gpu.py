@@ -51,7 +51,7 @@ def test_the_captured_sampler_gives_the_eager_tokens_and_counts():
         state.prepare(slots, owners, histories)
         seen = state.rows(torch.tensor(slots, device="cuda"))
         eager = sample(logits[:batch], params, list(range(batch)), [position] * batch, seen)
-        got = graphs.run(logits, batch, params, list(range(batch)), [position] * batch, slots)
+        got = graphs.run(logits, batch, params, list(range(batch)), [position] * batch, slots).tolist()
         assert got == eager
         histories = [History(h.prompt, list(h.generated) + [t]) for h, t in zip(histories, got)]
         expected = Seen.of(histories, vocab, "cuda")
