@@ -4,7 +4,9 @@
 Kernels: `split` runs flash-style online softmax over one split of a query's KV row list for a block of heads
 and writes the unnormalised output with its running max and sum; `combine` merges the splits and the sink
 with an online max/rescale. The split count is a runtime size (the split dimension of Idx/Op/Stats): `run`
-picks it from the context length, and one compiled variant serves every context.
+picks it from the context length, and one compiled variant serves every context. On sm90, variants of 64-head
+groups with head dim 512 (V4-Flash) run `split` as a whole-kernel override (`sparse_attention_sm90`: all 64
+heads per CTA, wgmma); the others, and every other target, run the portable bodies.
 
 Edges: heads are padded to whole `block_h` tiles and the head dim to a multiple of `DIM_ALIGN` with zeros in
 `run` (zero q/kv columns leave the scores unchanged; the extra output columns and heads are dropped), so the
@@ -16,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl, Override, require
+from tilekernels.ops import sparse_attention_sm90 as hopper
 
 _QUERY_BLOCK = 256  # bounds the gathered [block, K, D] tile of the reference
 
@@ -57,6 +60,7 @@ DIM_ALIGN = 32  # the head dim is the N of P@V: 4 warps x 8 columns of mma.sync 
 @dataclass(frozen=True)
 class Config:
     threads: int = 128
+    sm90: hopper.Tune = field(default_factory=hopper.Tune)  # the sm90 override's tiles (sparse_attention_sm90)
     # The split count is a runtime size, so TileLang cannot prove the tile decomposition in bounds and would
     # guard every global access (with 64-bit divisions by the split count inside the KV loop: 20% slower on
     # the H200 at V4-Flash decode). Every index is in bounds by construction (run builds Idx/Op/Stats).
@@ -205,15 +209,26 @@ def combine_body(P, v: Variant, cfg: Config):
 
 
 _CONFIGS = {"default": Config(), "c": Config(threads=1)}
-KERNELS = (Kernel("split", split_body, configs=_CONFIGS), Kernel("combine", combine_body, configs=_CONFIGS))
+KERNELS = (Kernel("split", split_body, configs=_CONFIGS, overrides=(Override("sm90", hopper.fits, hopper.body),)),
+           Kernel("combine", combine_body, configs=_CONFIGS))
 MAX_SPLITS = 16
 TARGET_TILES = 256  # aim for at least this many tiles in flight when choosing splits
 
 
-def plan(queries: int, heads: int, rows: int, block_h: int = 16, block_k: int = 32) -> tuple[int, int]:
+def plan(queries: int, heads: int, rows: int, block_h: int = 16, block_k: int = 32,
+         wide: bool = False) -> tuple[int, int]:
     """(splits, blocks per split) for `rows` KV rows per query: split until there are enough tiles.
-    Runtime sizes only (the split count is no part of the variant)."""
+    Runtime sizes only (the split count is no part of the variant). `wide`: variants that the sm90 override
+    runs 64 heads to a CTA (`hopper.fits`): splits are whole `hopper.SPLIT_ROWS`-row steps, balanced, about
+    `hopper.TARGET_CTAS` CTAs (one wave at one CTA per SM). Any split count is valid for the portable body."""
     blocks = max(1, -(-rows // block_k))
+    if wide:
+        group = max(1, hopper.SPLIT_ROWS // block_k)
+        steps = -(-blocks // group)
+        ctas = queries * -(-heads // hopper.HEADS)
+        splits = max(1, min(MAX_SPLITS, steps, hopper.TARGET_CTAS // max(1, ctas)))
+        per_split = -(-steps // splits)
+        return -(-steps // per_split), per_split * group
     tiles = queries * (heads // block_h)
     splits = 1
     while splits < MAX_SPLITS and splits * 2 <= blocks and tiles * splits < TARGET_TILES:
@@ -244,7 +259,7 @@ def run(launch, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks:
         sinks = torch.nn.functional.pad(sinks, (0, h - heads))
     if dp != d:
         kv = torch.nn.functional.pad(kv, (0, dp - d))
-    splits, per_split = plan(s, h, indices.shape[1], v.block_h, v.block_k)
+    splits, per_split = plan(s, h, indices.shape[1], v.block_h, v.block_k, hopper.fits(v))
     idx = torch.full((s, splits * per_split * v.block_k), -1, dtype=torch.int32, device=q.device)
     idx[:, : indices.shape[1]] = indices
     idx = idx.view(s, splits, per_split, v.block_k)
