@@ -1,6 +1,7 @@
 """Asynchronous scheduling (on by default): the next decode step is scheduled and launched before the host has
 read this step's tokens (they feed it on the device). Outputs are the same with it on and off, for greedy and
-seeded sampling, penalties and logit bias, structured output and preemption under a tiny cache; a request that
+seeded sampling, penalties and logit bias, and structured output (preemption under a tiny cache, both ways:
+tests/test_engine.py); a request that
 finishes while the next step is already launched loses nothing, and its blocks are released only once that step
 has landed."""
 
@@ -77,19 +78,6 @@ def test_structured_outputs_equal_with_and_without_async(pair):
     a = on.generate(items, params, use_tqdm=False)
     assert on.last_stats.ahead_steps > 0 and on.last_stats.mask_seconds > 0
     same(a, off.generate(items, params, use_tqdm=False))
-
-
-def test_preemption_under_a_tiny_cache_equal_with_and_without_async():
-    reqs = prompts([150, 230, 90, 250, 40], seed=1)
-    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-    outs = {}
-    for flag in (True, False):
-        llm = deepinfer.LLM(max_num_seqs=4, num_blocks=6, max_prefill_tokens=64, async_scheduling=flag)
-        guard_releases(llm)
-        outs[flag] = llm.generate(reqs, params, use_tqdm=False)
-        assert llm.last_stats.preemptions > 0
-        assert llm.cache.used_blocks == 0 and llm.cache.free_slots == llm.cache.spec.max_seqs
-    same(outs[True], outs[False])
 
 
 def test_a_request_finishing_while_the_next_step_is_launched_loses_nothing(pair):

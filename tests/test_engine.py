@@ -3,6 +3,8 @@ bucket padding) against plain eager decode."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,8 +40,13 @@ def test_preemption_under_a_tiny_page_budget_loses_nothing(saved):
     assert_cache_empty(roomy)
     tight = deepinfer.LLM(saved, max_num_seqs=4, num_blocks=6, max_prefill_tokens=64)  # 768 positions in all
     outs = tight.generate(reqs, GREEDY)
-    assert tight.last_stats.preemptions > 0
+    assert tight.last_stats.preemptions > 0 and tight.last_stats.ahead_steps > 0  # asynchronous scheduling (default)
     assert [o.token_ids for o in outs] == alone
+    # the same without asynchronous scheduling: same outputs, preempted as well
+    tight.engine.config = dataclasses.replace(tight.engine.config, async_scheduling=False)
+    sync = tight.generate(reqs, GREEDY)
+    assert [o.token_ids for o in sync] == alone and tight.last_stats.preemptions > 0
+    assert tight.last_stats.ahead_steps == 0
     assert all(o.finish_reason == "length" and o.num_generated_tokens == 40 for o in outs)
     assert sum(o.preemptions for o in outs) == tight.last_stats.preemptions
     # no admit-then-evict churn: a request is admitted only when its prefill fits, so little is recomputed
