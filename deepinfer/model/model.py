@@ -52,10 +52,12 @@ class DeepseekV4:
             if int(positions[start]) != seq.num_tokens:
                 raise AssertionError(f"chunk starts at {int(positions[start])} but the sequence holds {seq.num_tokens}")
 
+        rotated = positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
+
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
-            p = project(ctx, w, x, positions)
-            return finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), positions)
+            p = project(ctx, w, x, rotated)
+            return finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), rotated)
 
         logits = self._forward(ids, attend, logit_rows)
         for seq, _, length in seqs:
@@ -66,10 +68,12 @@ class DeepseekV4:
     def decode(self, cache: PagedCache, inp: DecodeInputs) -> torch.Tensor:
         """One token per row (static shapes; the caller advances token counts). Returns fp32 logits [B, V]."""
 
+        rotated = inp.positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
+
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
-            p = project(ctx, w, x, inp.positions)
-            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer]), inp.positions)
+            p = project(ctx, w, x, rotated)
+            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer]), rotated)
 
         return self._forward(inp.ids, attend, None)
 
