@@ -17,16 +17,25 @@ from deepinfer.runtime.scheduler import SchedulerConfig
 
 
 def guard_releases(llm) -> list[int]:
-    """Fail the run if a slot is released while a step in flight still has a row of it; returns the slots
-    released (the test checks the guard saw releases)."""
-    released, release = [], llm.cache.release
+    """Fail the run if a sequence's cache is released while a launched decode step that has a row of it has not
+    landed (its tokens read back); returns the slots released (the test checks the guard saw releases)."""
+    engine, unlanded, released = llm.engine, [], []
+    decode, land, release = engine.steps.decode, engine._land, llm.cache.release
+
+    def launched(ids, positions, seqs):
+        unlanded.append([id(s) for s in seqs])
+        return decode(ids, positions, seqs)
+
+    def landed(flight, *args):
+        unlanded.pop(0)  # flights land in launch order
+        return land(flight, *args)
 
     def checked(seq):
-        assert all(r.cache is not seq for r in llm.engine.in_flight), f"slot {seq.slot} released while in flight"
+        assert not any(id(seq) in step for step in unlanded), f"slot {seq.slot} released while a step is in flight"
         released.append(seq.slot)
         release(seq)
 
-    llm.cache.release = checked
+    engine.steps.decode, engine._land, llm.cache.release = launched, landed, checked
     return released
 
 
@@ -109,3 +118,14 @@ def test_a_request_finishing_while_the_next_step_is_launched_loses_nothing(pair)
 def test_async_scheduling_flag_is_checked():
     with pytest.raises(ConfigError, match="async_scheduling must be True or False, got 'yes'"):
         SchedulerConfig(async_scheduling="yes")
+
+
+def test_async_steps_follow_the_same_schedule_when_requests_wait(pair):
+    """More requests than seats: a seat that frees on a length limit (known before the token is read) is taken
+    as soon as without asynchronous scheduling, so both run the same steps."""
+    on, off = pair
+    reqs = prompts([3, 5, 4, 6, 3, 7, 5, 4, 6, 3], seed=9)
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (2, 9, 4, 12, 3, 7, 5, 2, 8, 6)]
+    same(on.generate(reqs, params, use_tqdm=False), off.generate(reqs, params, use_tqdm=False))
+    assert on.last_stats.ahead_steps > 0
+    assert on.last_stats.decode_steps == off.last_stats.decode_steps and on.last_stats.dropped_rows == 0

@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.errors import RequestError
 from deepinfer.runtime.cache_layout import CacheSpec
+from deepinfer.runtime.staging import upload
 
 
 @dataclass
@@ -87,7 +88,7 @@ class SlotBlocks:
         seq.blocks.extend(self._free_blocks.pop() for _ in range(need))
         if self.tables is not None:  # the new blocks enter the slot's table row
             new = torch.tensor(seq.blocks[held:], dtype=torch.long)
-            self.tables[seq.slot, held: len(seq.blocks)] = new.to(self.tables.device, non_blocking=True)
+            self.tables[seq.slot, held: len(seq.blocks)] = upload(new, self.tables.device)
         return True
 
     def check_held(self, seq: SeqCache, new_tokens: int) -> None:

@@ -62,7 +62,6 @@ class Engine:
         self.max_len = min(steps.max_positions, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
         self.penalties = PenaltyState(cache.spec.max_seqs, steps.vocab_size, steps.device)
         self.sampler = self._sampler()
-        self.in_flight: tuple[Request, ...] = ()  # the requests of the decode step in flight
         self._held: list[Request] = []  # finished, with a row in the step in flight: released when it lands
 
     def _sampler(self) -> SamplerGraphs | None:
@@ -109,25 +108,25 @@ class Engine:
                 begin = time.perf_counter()
                 if flight is not None:
                     flight = self._follow(flight, scheduler, stats, finished)
-                    stats.decode_seconds += time.perf_counter() - begin
-                    continue
-                step = scheduler.next_step()
-                if isinstance(step, PrefillStep):
-                    self._prefill(step, scheduler, stats, finished)
-                elif step.requests:
-                    reqs = list(step.requests)
-                    flight = self._launch(reqs, [r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
-                                          stats)
-                    if not self.config.async_scheduling:
-                        flight = self._land(flight, scheduler, stats, finished, None)
-                    stats.decode_seconds += time.perf_counter() - begin
+                else:
+                    step = scheduler.next_step()
+                    if isinstance(step, PrefillStep):
+                        self._prefill(step, scheduler, stats, finished)
+                        continue
+                    if step.requests:
+                        reqs = list(step.requests)
+                        flight = self._launch(reqs, [r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
+                                              stats)
+                        if not self.config.async_scheduling:
+                            self._land(flight, scheduler, stats, finished, None)
+                            flight = None
+                stats.decode_seconds += time.perf_counter() - begin
         finally:  # an error mid-run must not leave slots and blocks taken in the cache the LLM keeps
-            self.in_flight = ()
+            held, self._held = self._held, []
             for r in list(scheduler.running):
                 scheduler.finish(r)
-            for r in self._held:
+            for r in held:
                 scheduler.release(r)
-            self._held = []
         stats.preemptions = scheduler.preemptions
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs.values())
         return [outputs[r.index] for r in requests], stats
@@ -157,12 +156,16 @@ class Engine:
             stats.first_token_time = time.perf_counter()
 
     def _launch(self, reqs: list[Request], ids: list[int] | DeviceIds, positions: list[int], stats: RunStats,
-                ) -> _Flight:
-        """A decode step's forward, then its sampling (the step's tokens stay on the device)."""
+                meanwhile: Callable[[], None] | None = None) -> _Flight:
+        """A decode step's forward, then (after `meanwhile`: the host's work while the forward runs) its sampling,
+        of the rows whose request has not finished meanwhile. The step's tokens stay on the device."""
         logits = self.steps.decode(ids, positions, [r.cache for r in reqs])
-        self.in_flight = tuple(reqs)
         stats.decode_steps += 1
-        tokens = self._sample(reqs, logits, stats, decode=True)
+        if meanwhile is not None:
+            meanwhile()
+        live = [r.finish_reason is None for r in reqs]
+        stats.dropped_rows += live.count(False)
+        tokens = self._sample(reqs, logits, stats, decode=True, live=live)
         return _Flight(reqs, tokens, TokenReadback(tokens))
 
     def _follow(self, flight: _Flight, scheduler: Scheduler, stats: RunStats, finished) -> _Flight | None:
@@ -172,28 +175,22 @@ class Engine:
         continuing = [r for r in flight.requests if r.finish_reason is None and not self._ends_after_next(r)]
         step = scheduler.decode_ahead(continuing) if continuing else None
         if step is None:
-            return self._land(flight, scheduler, stats, finished, None)
+            self._land(flight, scheduler, stats, finished, None)
+            return None
         reqs = list(step.requests)
         row = {id(r): i for i, r in enumerate(flight.requests)}
-        logits = self.steps.decode(DeviceIds(flight.tokens, [row[id(r)] for r in reqs]),
-                                   [r.num_tokens for r in reqs], [r.cache for r in reqs])
-        stats.decode_steps += 1
         stats.ahead_steps += 1
-        self._land(flight, scheduler, stats, finished, reqs)
-        live = [r.finish_reason is None for r in reqs]
-        stats.dropped_rows += live.count(False)
-        tokens = self._sample(reqs, logits, stats, decode=True, live=live)
-        return _Flight(reqs, tokens, TokenReadback(tokens))
+        return self._launch(reqs, DeviceIds(flight.tokens, [row[id(r)] for r in reqs]), [r.num_tokens for r in reqs],
+                            stats, lambda: self._land(flight, scheduler, stats, finished, reqs))
 
     def _land(self, flight: _Flight, scheduler: Scheduler, stats: RunStats, finished,
               nxt: list[Request] | None) -> None:
         """Read a flight's tokens and append them; its finished requests leave, their cache released now, or when
         the step launched after it (`nxt`: its requests, which still have rows of theirs) lands."""
         tokens = flight.readback.tokens()
-        self.in_flight = () if nxt is None else tuple(nxt)
-        for r in self._held:  # the flight has landed: no step reads their blocks any more
+        held, self._held = self._held, []
+        for r in held:  # the flight has landed: no step reads their blocks any more
             scheduler.release(r)
-        self._held = []
         rows = [i for i, r in enumerate(flight.requests) if r.finish_reason is None]
         stats.decode_tokens += len(rows)
         for r in self._append([flight.requests[i] for i in rows], [tokens[i] for i in rows]):

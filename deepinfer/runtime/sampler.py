@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from deepinfer.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams, draw_seed, uniform
-from deepinfer.runtime.staging import InputStage
+from deepinfer.runtime.staging import InputStage, upload
 
 _BELOW_ONE = 1.0 - 2.0**-24  # the largest fp32 below 1: a uniform never rounds up to 1 (past the last kept token)
 
@@ -280,7 +280,7 @@ class SamplerGraphs:
         if b.bias_set:  # zero what an earlier step left
             b.packed.bias.zero_()
         if entries:  # one small copy of (row, column, token, bias) quadruples, scattered into the buffers
-            quads = torch.tensor(entries, dtype=torch.float64).to(logits.device)
+            quads = upload(torch.tensor(entries, dtype=torch.float64), logits.device)
             rows, cols = quads[:, 0].long(), quads[:, 1].long()
             b.packed.bias_ids[rows, cols] = quads[:, 2].long()
             b.packed.bias[rows, cols] = quads[:, 3].float()

@@ -74,7 +74,7 @@ class Scheduler:
         """The decode step after the one in flight, scheduled before the host has seen that step's tokens: these
         requests (running, decoding) one position further. None where `next_step` could do anything else (admit a
         waiting request, run a prefill, preempt for blocks): the caller waits for the flight and schedules then."""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if self.waiting and len(requests) < self.config.max_num_seqs and self._admits_after(requests):
             return None
         if any(r.in_prefill for r in self.running):
             return None
@@ -102,6 +102,13 @@ class Scheduler:
                 if victim is r:
                     break
         return DecodeStep(tuple(r for r in decoding if r in self.running))
+
+    def _admits_after(self, requests: list[Request]) -> bool:
+        """Whether `next_step` would admit the first waiting request once the running requests not in `requests`
+        (those ending on the tokens in flight) have left, as `_admit` decides."""
+        ending = [r for r in self.running if not any(r is c for c in requests)]
+        free = self.cache.free_blocks + sum(len(r.cache.blocks) for r in ending)
+        return not requests or self.cache.blocks_for(self.waiting[0].num_prefill + 1) <= free
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:

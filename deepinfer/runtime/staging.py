@@ -16,6 +16,15 @@ def _is_accelerator(device: torch.device) -> bool:
     return acc is not None and device.type == acc.type
 
 
+def upload(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the work queued there (through pinned memory, a
+    non-blocking copy; a plain copy where the device is the host)."""
+    device = torch.device(device)
+    if not _is_accelerator(device):
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 class InputStage:
     """Rows of step inputs ([rows, width] on the device, e.g. a row of ids and one of positions), written on the
     host and sent with one copy. Two pinned host buffers alternate, each guarded by the event of

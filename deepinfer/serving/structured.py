@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from deepinfer.errors import RequestError
+from deepinfer.runtime.staging import upload
 from deepinfer.serving.tool_grammar import tool_call_tag, tools_of
 
 SO_ARGS_KINDS = ("json_schema", "regex", "ebnf")
@@ -175,13 +176,16 @@ def apply_masks(logits: torch.Tensor, states: list[ConstraintState | None], gram
     if rows:
         bitmask = xgr.allocate_token_bitmask(len(states), grammars.vocab_size)
         grammars.batch.batch_fill_next_token_bitmask([states[i].matcher for i in rows], bitmask, rows)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=grammars.vocab_size,
+        xgr.apply_token_bitmask_inplace(logits, upload(bitmask, logits.device), vocab_size=grammars.vocab_size,
                                         indices=rows)
     thinking = [i for i, s in enumerate(states) if s is not None and s.reasoning]
     if not thinking:
         return
-    logits[torch.tensor(thinking)[:, None], torch.tensor(grammars.eos_ids)[None, :]] = float("-inf")
+    device = logits.device
+    logits[upload(torch.tensor(thinking), device)[:, None], upload(torch.tensor(grammars.eos_ids), device)[None, :]] = (
+        float("-inf"))
     spent = [i for i in thinking if states[i].budget is not None and states[i].reasoning_tokens >= states[i].budget]
     if spent and grammars.think_end is not None:  # only `</think>` may follow, whatever its logit was
-        logits[spent] = float("-inf")
-        logits[spent, grammars.think_end] = 0.0
+        spent_rows = upload(torch.tensor(spent), device)
+        logits[spent_rows] = float("-inf")
+        logits[spent_rows, grammars.think_end] = 0.0
