@@ -10,7 +10,7 @@ that finished at step N still has a row in step N+1 (computed, then dropped); it
 only once step N+1 has landed, so no block a step in flight reads is freed or reused. Whenever the scheduler
 could do anything but decode the same requests again (admit, prefill, preempt), the flight lands first and
 scheduling proceeds as without overlap. Tokens depend only on each row's logits, parameters, seed and position,
-so the outputs are the same either way."""
+so the outputs are the same either way wherever a row's logits do not depend on its batch (docs/serving.md)."""
 
 from __future__ import annotations
 
