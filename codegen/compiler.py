@@ -24,6 +24,9 @@ from codegen import cache
 from codegen.errors import CompileError, NotBuiltError
 
 log = logging.getLogger("deepinfer.codegen")
+# TileLang's lowering changes process-wide state (it captures fd 2, swaps a module's check function): one build at
+# a time in a process; parallel builds run in worker processes (`codegen.driver.build_all`)
+_BUILDING = threading.Lock()
 
 
 def deepinfer_version() -> str:
@@ -135,8 +138,9 @@ class Compiler:
                 (tmp / "kernel.tir").write_text(func.script())
                 ctx = StageContext(func=func, out_dir=tmp, pass_configs=req.options(self.target))
                 try:
-                    for stage in self.target.stages:  # the first lowers, the others compile its outputs
-                        ctx.files.update(stage.run(ctx))
+                    with _BUILDING:
+                        for stage in self.target.stages:  # the first lowers, the others compile its outputs
+                            ctx.files.update(stage.run(ctx))
                 except Exception as exc:
                     where = cache.keep_failure(tmp, self.root / "failed")
                     log_path = getattr(exc, "log", None)

@@ -321,6 +321,16 @@ def read_manifest(root: Path) -> dict:
         return {}
 
 
+def unlisted(root: Path, items: Iterable[tuple]) -> list[tuple]:
+    """The (op, kernel, variant) items the manifest under `root` (a target's cache directory) does not list."""
+
+    def key(op: str, kernel: str, variant: dict) -> tuple[str, str, str]:
+        return op, kernel, json.dumps(variant, sort_keys=True)
+
+    listed = {key(e["op"], e["kernel"], e["variant"]) for e in read_manifest(root).get("entries", [])}
+    return [it for it in items if key(it[0], it[1], variant_dict(it[2])) not in listed]
+
+
 def record_run(root: Path, op: str, target: str, detail: str) -> None:
     """Note that an op's kernels ran on real hardware for `target` and matched the reference (runs.json)."""
     path = root / "runs.json"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from deepinfer.runtime.steps import ModelSteps
 log = logging.getLogger("deepinfer")
 GIB = 2**30
 V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 has run; `cpu` names the first
+LOAD_JOBS = 1  # threads loading the plan's kernels at start (benchmarks/startup.py measures the choice)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,6 @@ def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, we
 
 def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtype: torch.dtype, env: Env,
                 opts: EngineOptions) -> Assembled:
-    from deepinfer.compile.prebuild import prebuild
     from deepinfer.model.model import DeepseekV4
     from deepinfer.model.weights import ModelWeights, tensor_specs
     from deepinfer.runtime.graph import DecodeGraphs
@@ -82,6 +84,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     _fit(cfg, dtype, backend, opts, weights_size, lambda spec: CacheLayout.build(cfg, spec, dtype).nbytes)
     if backend.kernel_target is not None:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
+    clock = Phases()
     mtp: dict[str, Any] = {}
     if model_dir is None:
         from deepinfer.tiny import random_tensors
@@ -99,13 +102,13 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
         tensors, mtp = ckpt.tensors, ckpt.mtp
         if mtp:
             log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(mtp))
-    if backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
-        prebuild(backend.kernel_target, cfg, str(dtype).removeprefix("torch."), env.cache_dir, opts.show_progress,
-                 quantized=keep)
     device = backend.device
     model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()}), backend.ops)
+    clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
+    ready_kernels(backend, cfg, dtype, env, opts, clock)
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
                                        opts.num_blocks, opts.gpu_memory_utilization), dtype, device)
+    clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
     report = (f"memory on {device}: weights {weights_size / GIB:.2f} GiB"
               + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB")
@@ -188,22 +191,22 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
         return (spec.num_blocks + 1) * block + (spec.max_seqs + 1) * slot  # + the scratch block and slot
 
     _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
-    if backend.kernel_target is not None:  # kernels the manifest lacks: built now, with progress
-        from deepinfer.compile.prebuild import prebuild
-
+    if backend.kernel_target is not None:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
-        prebuild(backend.kernel_target, cfg, str(dtype).removeprefix("torch."), env.cache_dir, opts.show_progress,
-                 quantized=keep)
+    clock = Phases()
+    ready_kernels(backend, cfg, dtype, env, opts, clock)  # before the weights: a kernel that fails stops the run early
     bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
     ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep,
                     progress=None if bar is None else bar.update)
     if bar is not None:
         bar.close()
     model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
+    clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                       opts.gpu_memory_utilization,
                       unit=lambda probe: unit_bytes(cfg, probe.max_tokens, probe.block_tokens, dtype))
     cache = V41SlotCache(cfg, spec, dtype, backend.device)
+    clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
     kept = keep and quantization_config(cfg.raw) is not None
     report = (f"memory on {backend.device}: weights {weights_size / GIB:.2f} GiB "
               + ("(FP8/FP4 kept)" if kept else "(dense ones dequantized)")
@@ -212,9 +215,91 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     return Assembled(model, cache, V41Steps(model, cache, backend.capture), weights_size, report)
 
 
-def progress_bar(enabled: bool, desc: str, total: int | None = None):
+class Phases:
+    """Start-up phases, each logged at INFO with its seconds as it ends (`deepinfer: start-up: NAME S s (NOTE)`)."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def done(self, name: str, note: str = "") -> None:
+        now = time.perf_counter()
+        log.info("deepinfer: start-up: %s %.2f s%s", name, now - self.last, f" ({note})" if note else "")
+        self.last = now
+
+
+def ready_kernels(backend: Backend, cfg: ModelConfig | V41Config, dtype: torch.dtype, env: Env, opts: EngineOptions,
+                  clock: Phases) -> None:
+    """On a kernel backend: build the kernels of the model's plan that the target's manifest lacks (with progress,
+    into the same cache), then load every kernel of the plan into the backend's launcher, so that the first
+    request loads none. Nothing on the reference backend."""
+    if backend.kernel_target is None:
+        return
+    from codegen.driver import unlisted
+    from deepinfer.compile.prebuild import build_kernels
+
+    target = backend.kernel_target
+    plan = model_plan(cfg, str(dtype).removeprefix("torch."), opts.quantization == "auto", env.cache_dir / target)
+    missing = unlisted(env.cache_dir / target, plan)
+    if missing:
+        log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "
+                 "or build ahead with `deepinfer compile --target %s --model DIR`)", len(missing), target,
+                 env.cache_dir, target)
+        failed = [r for r in build_kernels(target, missing, env.cache_dir, progress=opts.show_progress)
+                  if r.status == "failed"]
+        if failed:
+            raise ConfigError(f"{len(failed)} kernel(s) failed to compile for {target}: "
+                              + "; ".join(f"{r.label} (log {r.path})" for r in failed))
+    clock.done("kernel build check", f"{len(plan)} kernels in the plan, {len(missing)} built now")
+    if backend.launcher is None:
+        return
+    jobs = min(LOAD_JOBS, os.cpu_count() or 1)
+    bar = progress_bar(opts.show_progress, "loading kernels", total=len(plan), unit="kernel")
+    try:
+        loaded = backend.launcher.preload(plan, jobs, on_loaded=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    clock.done("kernel load", f"{loaded} kernels, {jobs} thread(s)")
+
+
+def model_plan(cfg: ModelConfig | V41Config, dtype: str, quantized: bool, root: Path) -> list[tuple]:
+    """The model's kernel plan (`deepinfer.compile.plan.kernel_plan`: a trace of the model on meta tensors, seconds
+    on a large config), kept under `root/plans/` keyed by all it derives from: the config, dtype, quantization,
+    torch's version and the source of deepinfer and tilekernels (any edit there traces it anew)."""
+    import hashlib
+    import json
+    import pickle
+
+    import deepinfer
+    import tilekernels
+    from deepinfer.compile.plan import kernel_plan
+
+    digest = hashlib.sha256(json.dumps([cfg.raw, dtype, quantized, torch.__version__], sort_keys=True,
+                                       default=str).encode())
+    for package in (deepinfer, tilekernels):
+        base = Path(package.__file__).parent
+        for source in sorted(base.rglob("*.py")):
+            digest.update(f"{package.__name__}/{source.relative_to(base)}".encode())
+            digest.update(source.read_bytes())
+    path = root / "plans" / f"{digest.hexdigest()[:32]}.pickle"
+    try:  # the kernel cache is trusted as much as the libraries it holds, which are loaded into this process
+        return pickle.loads(path.read_bytes())
+    except FileNotFoundError:
+        pass
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError) as exc:
+        log.info("deepinfer: kernel plan %s unreadable (%s): tracing the model again", path, exc)
+    plan = kernel_plan(cfg, dtype, quantized)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(pickle.dumps(plan))
+    os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the whole new one
+    return plan
+
+
+def progress_bar(enabled: bool, desc: str, total: int | None = None, unit: str | None = None):
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req" if desc == "requests" else "tensor", leave=False, dynamic_ncols=True)
+    unit = unit or ("req" if desc == "requests" else "tensor")
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True)

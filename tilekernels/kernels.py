@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from codegen import Compiler, Request
 from tilekernels.lang import Facade
@@ -28,21 +29,72 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
 
 
 class Launcher:
-    """`launcher(op, kernel, variant)` -> the compiled callable for the compiler's target (memoized)."""
+    """`launcher(op, kernel, variant)` -> the compiled callable for the compiler's target (memoized). Thread-safe:
+    a key is loaded by one thread; another asking for it meanwhile waits for that load (`preload` fills the memo
+    from a thread pool before the first request)."""
 
     def __init__(self, compiler: Compiler):
         self.compiler = compiler
         self._loaded: dict[tuple, Callable[..., Any]] = {}
+        self._loading: dict[tuple, Future] = {}  # keys a thread is loading now
         self._lock = threading.Lock()
 
     def __call__(self, op: str, kernel: str, variant: Any) -> Callable[..., Any]:
         key = (op, kernel, variant)
         fn = self._loaded.get(key)
-        if fn is None:
-            fn = self.compiler.load(request(op, kernel, variant))
+        return fn if fn is not None else self._load(key)[0]
+
+    def _load(self, key: tuple) -> tuple[Callable[..., Any], bool]:
+        """The callable for `key`, and whether this call loaded it (False: memoized, or loaded by another thread)."""
+        with self._lock:
+            fn = self._loaded.get(key)
+            if fn is not None:
+                return fn, False
+            pending = self._loading.get(key)
+            mine = pending is None
+            if mine:
+                pending = self._loading[key] = Future()
+        if not mine:
+            return pending.result(), False  # the loading thread's callable, or its exception
+        try:
+            fn = self.compiler.load(request(*key))
+        except BaseException as exc:
             with self._lock:
-                self._loaded[key] = fn
-        return fn
+                del self._loading[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:
+            self._loaded[key] = fn
+            del self._loading[key]
+        pending.set_result(fn)
+        return fn, True
+
+    def preload(self, items: Iterable[tuple], jobs: int = 1, on_loaded: Callable[[], Any] | None = None) -> int:
+        """Load every (op, kernel, variant) of `items` not loaded yet, in `jobs` threads; `on_loaded()` after each
+        (in the calling thread). Returns how many this call loaded (0 when all were loaded already)."""
+        todo = [key for key in dict.fromkeys(items) if key not in self._loaded]
+        loaded = 0
+        # the first in this thread (it imports TileLang), the rest in the pool
+        for key in todo[:1] if jobs > 1 else todo:
+            loaded += self._load(key)[1]
+            if on_loaded is not None:
+                on_loaded()
+        if jobs <= 1 or len(todo) <= 1:
+            return loaded
+        pool = ThreadPoolExecutor(max_workers=min(jobs, len(todo) - 1), thread_name_prefix="kernel-load")
+        try:
+            for done in as_completed([pool.submit(self._load, key) for key in todo[1:]]):
+                loaded += done.result()[1]  # the first failure raises; the loads not started are cancelled
+                if on_loaded is not None:
+                    on_loaded()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return loaded
+
+    @property
+    def loaded(self) -> int:
+        """How many kernels are loaded."""
+        return len(self._loaded)
 
     def for_op(self, op: str) -> "OpLauncher":
         return OpLauncher(self, op)
@@ -78,11 +130,17 @@ def _no_op(*args: Any) -> None:
     return None
 
 
-def kernel_table(target_name: str, cache_dir: Path, jit: bool = True) -> OpTable:
-    """Every op with kernels runs them on `target_name`; the others run their reference (on the same device)."""
+def kernel_launcher(target_name: str, cache_dir: Path, jit: bool = True) -> Launcher:
+    """The launcher of `target_name`'s kernels from the cache under `cache_dir` (built first when missing, with
+    `jit`); `table(launcher)` is its op table."""
     import backends
 
-    return table(Launcher(Compiler(backends.get(target_name), cache_dir, jit=jit)))
+    return Launcher(Compiler(backends.get(target_name), cache_dir, jit=jit))
+
+
+def kernel_table(target_name: str, cache_dir: Path, jit: bool = True) -> OpTable:
+    """Every op with kernels runs them on `target_name`; the others run their reference (on the same device)."""
+    return table(kernel_launcher(target_name, cache_dir, jit))
 
 
 def table(launcher: Launcher) -> OpTable:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -15,6 +15,9 @@ from deepinfer.env import Env
 from deepinfer.errors import ConfigError
 from tilekernels import OpTable
 
+if TYPE_CHECKING:
+    from tilekernels.kernels import Launcher
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -22,6 +25,7 @@ class Backend:
     device: torch.device
     ops: OpTable
     capture: Callable[[Callable[[], Any]], tuple[Any, Callable[[], Any]]] | None  # None: decode runs eagerly
+    launcher: Launcher | None = None  # what `ops` launches kernels through (None: PyTorch references)
 
     @property
     def name(self) -> str:
@@ -48,10 +52,12 @@ def resolve(name: str | None, env: Env | None = None) -> backends.Target:
 
 def select(name: str | None, cache_dir: Path, env: Env | None = None) -> Backend:
     target = resolve(name, env)
+    launcher = None
     if target.kernels:
-        from tilekernels.kernels import kernel_table
+        from tilekernels.kernels import kernel_launcher, table
 
-        ops = kernel_table(target.name, cache_dir)
+        launcher = kernel_launcher(target.name, cache_dir)
+        ops = table(launcher)
     else:
         from tilekernels import reference_table
 
@@ -60,4 +66,4 @@ def select(name: str | None, cache_dir: Path, env: Env | None = None) -> Backend
         capture = target.graphs() if target.graphs is not None else None
     except ImportError as exc:
         raise ConfigError(f"backend {target.name!r} needs {target.needs}: {exc}") from exc
-    return Backend(target, torch.device(target.device_type), ops, capture)
+    return Backend(target, torch.device(target.device_type), ops, capture, launcher)
