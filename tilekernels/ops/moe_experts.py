@@ -4,7 +4,8 @@ scaled by its routing weight (applied after the down projection), into the token
 Kernel path: the (token, slot) rows are sorted by expert into an expert-major layout where each expert's rows
 start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
-back per token. FP4 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles. On sm_90a every
+back per token. FP4 and bf16 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
+the bf16 ones run the swapped-operand weight-streaming kernel of `moe_bf16_sm90`. On sm_90a every
 FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
 registers; 64-row tiles at prefill sizes), on sm_100a the block-scaled MMA kernel of `moe_fp4_sm100` (built,
 never run); elsewhere the portable body below.
@@ -20,7 +21,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
-from tilekernels.ops import linear, moe_fp4, moe_fp4_sm100, swiglu
+from tilekernels.ops import linear, moe_bf16_sm90, moe_fp4, moe_fp4_sm100, swiglu
 from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, exponent_bytes, quantize
 
 
@@ -161,22 +162,35 @@ KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, overrides=(
     "ascend": Config(block_n=128, block_k=64, stages=0, threads=128),
     "c": Config(block_n=16, block_k=32, stages=0, threads=1),
 })
-KERNEL = Kernel("grouped_gemm", body, configs={
+# bf16 decode variants (16-row tiles) on sm_90a: the swapped-operand weight-streaming kernel of moe_bf16_sm90 (its
+# own tile, TileLang's default warp-specialised TMA pipeline: no pass config, so the 64-row variants' portable body
+# is built exactly as before); every other target and variant: the portable body.
+KERNEL = Kernel("grouped_gemm", body, overrides=(
+    Override("sm90", moe_bf16_sm90.fits, moe_bf16_sm90.body_decode),
+), configs={
     "default": Config(),
     "sm100": Config(block_n=128, block_k=64, stages=3, threads=128, min_block_n=64),
     "ascend": Config(block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,
 })
 BLOCK_M = 64
-DECODE_BLOCK_M = 16  # FP4 experts at decode: rows per tile (wgmma N on sm_90a; the portable body's MMA M)
-DECODE_TOKENS = 64  # up to this many tokens the FP4 experts run their decode variants
+DECODE_BLOCK_M = 16  # FP4 and bf16 experts at decode: rows per tile (wgmma N on sm_90a; the portable body's MMA M)
+DECODE_TOKENS = 64  # up to this many tokens the FP4 and bf16 experts run their decode variants
+
+
+SMALL_LAYOUT = 1 << 20  # rows x experts up to which `layout` takes its one-hot path (decode batches: 384 x 256)
 
 
 def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-major padded layout without a host sync (CUDA-graph safe): the destination row of every
     (token, slot) in flat order, and the expert of each M tile (-1 past the last expert's rows). Each expert's
-    rows start on a tile boundary; the tile count is the static bound ceil((R + E*(bm-1)) / bm)."""
+    rows start on a tile boundary, in flat order within the expert; the tile count is the static bound
+    ceil((R + min(R, E)*(bm-1)) / bm). Small batches (R x E <= SMALL_LAYOUT) take a one-hot running count (about
+    12 small kernels, no sort), larger ones a stable sort; both give the same result."""
     flat = indices.reshape(-1)
+    n_tiles = -(-(flat.numel() + min(flat.numel(), experts) * (bm - 1)) // bm)
+    if 0 < flat.numel() * experts <= SMALL_LAYOUT:
+        return _layout_small(flat, experts, bm, n_tiles)
     counts = torch.zeros(experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync
     padded = (counts + bm - 1) // bm * bm
@@ -187,18 +201,32 @@ def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, 
     rank[order] = torch.arange(order.numel(), device=order.device)
     first = torch.cumsum(counts, 0) - counts  # sorted position of each expert's first row
     dest = starts[flat] + rank - first[flat]
-    n_tiles = -(-(flat.numel() + min(flat.numel(), experts) * (bm - 1)) // bm)
     tile_start = torch.arange(n_tiles, device=flat.device) * bm
     expert = torch.searchsorted(ends, tile_start, right=True)
     tiles = torch.where(expert < experts, expert, torch.full_like(expert, -1)).to(torch.int32)
     return dest, tiles
 
 
+def _layout_small(flat: torch.Tensor, experts: int, bm: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layout` through a running count of a [R, E] one-hot: row r's rank within its expert is the count of
+    that expert up to r (the same flat order as the stable sort)."""
+    ids = torch.arange(max(experts, n_tiles), device=flat.device)  # expert ids and tile ids: one kernel
+    seen = (flat[:, None] == ids[:experts]).cumsum(0)  # [R, E]: inclusive counts
+    expert_tiles = (seen[-1] + (bm - 1)).div_(bm, rounding_mode="floor")
+    tile_end = expert_tiles.cumsum(0)  # one past each expert's last tile
+    first_row = (tile_end - expert_tiles).mul_(bm).sub_(1)  # each expert's first row, minus 1 (ranks count from 1)
+    dest = seen.add_(first_row).gather(1, flat[:, None]).squeeze(1)
+    tiles = torch.searchsorted(tile_end, ids[:n_tiles], right=True, out_int32=True)
+    return dest, tiles.masked_fill_(tiles == experts, -1)
+
+
 def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False, tokens: int | None = None) -> Variant:
     """The variant of one expert GEMM (n output features, k input features): gate_up is
-    variant(2I, H, E, dtype), down is variant(H, I, E, dtype). FP4 weights at up to DECODE_TOKENS tokens get
-    the decode tile (a few rows per expert: DECODE_BLOCK_M-row tiles)."""
-    decode = fp4 and tokens is not None and tokens <= DECODE_TOKENS
+    variant(2I, H, E, dtype), down is variant(H, I, E, dtype). FP4 weights (any activation dtype) and bf16
+    weights at up to DECODE_TOKENS tokens get the decode tile (a few rows per expert: DECODE_BLOCK_M-row tiles;
+    the same variant on every target: sm_90a runs its decode override, the others the portable body with 16-row
+    tiles); fp32 experts keep 64-row tiles."""
+    decode = (fp4 or dtype == "bfloat16") and tokens is not None and tokens <= DECODE_TOKENS
     return Variant(n, k, experts, dtype, DECODE_BLOCK_M if decode else BLOCK_M, fp4)
 
 
@@ -235,17 +263,17 @@ def run(launch, x, weights, indices, gate_up, down, limit):
     kernel = "grouped_gemm_fp4" if fp4 else "grouped_gemm"
     dest, tiles = layout(indices, experts, up_v.block_m)
     total = tiles.numel() * up_v.block_m
-    token_of = torch.arange(n_tok, device=x.device).repeat_interleave(indices.shape[1])
+    top_k = indices.shape[1]
     rows = torch.empty(total, hidden, dtype=x.dtype, device=x.device)  # padding rows' results are never read
-    rows[dest] = x[token_of]
+    rows.index_copy_(0, dest, x[:, None].expand(n_tok, top_k, hidden).reshape(-1, hidden))
     h = torch.empty(total, two_i, dtype=x.dtype, device=x.device)
     launch(kernel, up_v)(rows, *_operands(gate_up), tiles, h)
     a = swiglu.run(launch.op("swiglu"), h, limit)
     y = torch.empty(total, hidden, dtype=x.dtype, device=x.device)
     launch(kernel, down_v)(a, *_operands(down), tiles, y)
-    out = torch.zeros(n_tok, hidden, dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, y[dest].float() * weights.reshape(-1, 1).float())
-    return out.to(x.dtype)
+    # each token's k rows weighted in fp32 and summed in slot order (deterministic: no atomics)
+    picked = y.index_select(0, dest).view(n_tok, top_k, hidden)
+    return (picked * weights.float()[..., None]).sum(1).to(x.dtype)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
