@@ -131,9 +131,10 @@ def test_run_works_on_meta_tensors_and_launches_the_variant_function():
     assert gemms == [
         ("linear", "gemm", linear.variant(5, 20, 48, 1, "bfloat16")),
         ("linear", "gemm", linear.variant(300, 6, 20, 5, "bfloat16")),
-        ("moe_experts", "grouped_gemm", moe_experts.variant(36, 48, 6, "bfloat16")),
-        ("moe_experts", "grouped_gemm", moe_experts.variant(48, 18, 6, "bfloat16")),
+        ("moe_experts", "grouped_gemm", moe_experts.variant(36, 48, 6, "bfloat16", tokens=17)),  # decode: 16-row tiles
+        ("moe_experts", "grouped_gemm", moe_experts.variant(48, 18, 6, "bfloat16", tokens=17)),
     ]
+    assert gemms[-1][2].block_m == moe_experts.DECODE_BLOCK_M
 
 
 def test_v4_flash_shapes_keep_their_tiles():
