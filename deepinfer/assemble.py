@@ -235,20 +235,12 @@ def ready_kernels(backend: Backend, cfg: ModelConfig | V41Config, dtype: torch.d
     if backend.kernel_target is None:
         return
     from codegen.driver import unlisted
-    from deepinfer.compile.prebuild import build_kernels
+    from deepinfer.compile.prebuild import build_missing
 
     target = backend.kernel_target
     plan = model_plan(cfg, str(dtype).removeprefix("torch."), opts.quantization == "auto", env.cache_dir / target)
     missing = unlisted(env.cache_dir / target, plan)
-    if missing:
-        log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "
-                 "or build ahead with `deepinfer compile --target %s --model DIR`)", len(missing), target,
-                 env.cache_dir, target)
-        failed = [r for r in build_kernels(target, missing, env.cache_dir, progress=opts.show_progress)
-                  if r.status == "failed"]
-        if failed:
-            raise ConfigError(f"{len(failed)} kernel(s) failed to compile for {target}: "
-                              + "; ".join(f"{r.label} (log {r.path})" for r in failed))
+    build_missing(target, missing, env.cache_dir, opts.show_progress)
     clock.done("kernel build check", f"{len(plan)} kernels in the plan, {len(missing)} built now")
     if backend.launcher is None:
         return

@@ -4,7 +4,6 @@ them. (A kernel missing for another reason, e.g. a changed op body, is still com
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -20,15 +19,10 @@ log = logging.getLogger("deepinfer")
 def missing_kernels(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path,
                     quantized: bool | None = None) -> list[tuple]:
     """The (op, kernel, variant) items `cfg` needs that the target's manifest does not list."""
-    from codegen.compiler import variant_dict
-    from codegen.driver import read_manifest
+    from codegen.driver import unlisted
     from deepinfer.compile.plan import kernel_plan
 
-    def key(op: str, kernel: str, variant: dict) -> tuple[str, str, str]:
-        return op, kernel, json.dumps(variant, sort_keys=True)
-
-    listed = {key(e["op"], e["kernel"], e["variant"]) for e in read_manifest(cache_dir / target).get("entries", [])}
-    return [it for it in kernel_plan(cfg, dtype, quantized) if key(it[0], it[1], variant_dict(it[2])) not in listed]
+    return unlisted(cache_dir / target, kernel_plan(cfg, dtype, quantized))
 
 
 def build_kernels(target: str, items: list[tuple], cache_dir: Path, jobs: int | None = None,
@@ -53,7 +47,11 @@ def build_kernels(target: str, items: list[tuple], cache_dir: Path, jobs: int | 
 def prebuild(target: str, cfg: ModelConfig, dtype: str, cache_dir: Path, progress: bool,
              quantized: bool | None = None) -> None:
     """Build the kernels `cfg` needs for `target` that the manifest lacks; a failure names its log."""
-    items = missing_kernels(target, cfg, dtype, cache_dir, quantized)
+    build_missing(target, missing_kernels(target, cfg, dtype, cache_dir, quantized), cache_dir, progress)
+
+
+def build_missing(target: str, items: list[tuple], cache_dir: Path, progress: bool) -> None:
+    """Build `items` (kernels the manifest lacks), logged; ConfigError naming each failure's log."""
     if not items:
         return
     log.info("deepinfer: compiling %d kernel(s) for %s into %s (first run for this model; cached afterwards, "
