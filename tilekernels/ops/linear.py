@@ -10,6 +10,9 @@ last tile of a dimension runs past the tensor and TileLang masks it (bound check
 TMA boxes), so the out-of-range K columns of both operands read as zero and out-of-range outputs are not
 stored. A dimension smaller than the tile gets a tile rounded up to a multiple of 16 instead (less waste, still
 a tensor-core shape). When N and K divide the tile no check is emitted: the big shapes cost nothing extra.
+
+On sm90 the prefill variants (one group of 16-bit operands, more than ROW_BUCKETS[1] rows) run the override in
+`linear_sm90` (swizzled wgmma tiles, the output staged for a TMA store).
 """
 
 from dataclasses import dataclass, field
@@ -17,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, require
-from tilekernels.ops import linear_fp8
+from tilekernels.op import Kernel, OpDecl, Override, require
+from tilekernels.ops import linear_fp8, linear_sm90
+from tilekernels.ops.linear_sm90 import Tiles
 from tilekernels.quant import BlockQuantized, dense
 
 
@@ -47,6 +51,7 @@ class Config:
     narrow_threads: int = 128  # 64-row tiles: four warps cover 64 rows of wgmma/mma
     min_block_n: int = 16  # the narrowest N tile the target's MMA takes (sm_100a 64-row tcgen05 needs 64)
     fp32_block_k: int = 0  # K tile of fp32 operands (0: block_k): their tiles take twice the shared memory
+    large: Tiles | None = None  # the sm90 override's tile at prefill rows (linear_sm90.py); None elsewhere
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -120,11 +125,12 @@ KERNEL = Kernel("gemm", body, configs={
     "default": Config(),
     # benchmarks/tune_gemm.py; fp32 (V4.1's ratio-2 compressor) at half the K depth: 3 stages of 256x64 + 128x64
     # fp32 tiles would need 288 KB of shared memory (the SM has 227)
-    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32),
+    # the override's prefill tile (one group, 16-bit, no split K) from benchmarks/tune_linear.py
+    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32, large=Tiles()),
     "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64, fp32_block_k=32),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,
-})
+}, overrides=(Override("sm90", linear_sm90.supports, linear_sm90.body),))
 
 
 TARGET_PROGRAMS = 256  # split K until about this many programs run (small GEMMs stream the weight)
