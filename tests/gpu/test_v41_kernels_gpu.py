@@ -30,7 +30,7 @@ def v41_variants() -> dict[str, list]:
 
     b = "bfloat16"
     return {
-        # up to 64 tokens split K (20 parts of 2 chunks), 512 one pass; 20000 columns: a partial last chunk, masked
+        # split K at every row count (20 parts of 2 chunks); 20000 columns: a partial last chunk, masked
         "hc_mixes": [hc_mixes.Variant(4, 5120, 20, b), hc_mixes.Variant(4, 5000, 20, b)],
         "hc_collapse": [hc_collapse.Variant(4, 5120, b)],
         "fp4_act_qdq": [fp4_act_qdq.Variant(512, 16, "e4m3", b), fp4_act_qdq.Variant(128, 32, "ue8m0", b)],

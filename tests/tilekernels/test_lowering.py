@@ -4,6 +4,7 @@ lowering). sm_100 and Ascend are compile-only here: nothing of theirs runs on ha
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -27,15 +28,13 @@ CASES = {
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
     ("moe_experts", "grouped_gemm_fp4"): moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True),
-    ("hc_pre", "hc_pre"): hc_pre.Variant(4, 4096, 20, "bfloat16"),
-    ("hc_pre", "hc_pre_split"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),  # split K: decode batches
+    ("hc_pre", "hc_pre_split"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),  # sm90: hc_mixes_sm90's GEMM
     ("hc_pre", "hc_pre_finish"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
     # V4.1's own, at V4.1 widths (odd widths: tests/tilekernels/test_v41_kernels.py on the c target)
-    ("hc_mixes", "hc_mixes"): hc_mixes.Variant(4, 5120, 20, "bfloat16"),
-    ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),  # split K: decode batches
+    ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),  # sm90: the GEMM too
     ("hc_mixes", "hc_mixes_finish"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),
     ("hc_collapse", "hc_collapse"): hc_collapse.Variant(4, 5120, "bfloat16"),
     ("fp4_act_qdq", "fp4_act_qdq"): fp4_act_qdq.Variant(512, 16, "e4m3", "bfloat16"),
@@ -55,7 +54,10 @@ ODD = {
     ("swiglu", "swiglu"): swiglu.Variant(1408, "bfloat16"),
     ("rope", "rope"): rope.Variant(5, 20, 6, "bfloat16"),
     ("moe_gate", "moe_gate"): moe_gate.Variant(6, 2, "sqrtsoftplus", "bfloat16"),
-    ("hc_pre", "hc_pre"): hc_pre.Variant(3, 40, 20, "bfloat16"),
+    ("hc_pre", "hc_pre_split"): hc_pre.Variant(3, 41, 20, "bfloat16", split=2),  # K 123: portable on sm90 too
+    ("hc_pre", "hc_pre_finish"): hc_pre.Variant(3, 40, 20, "bfloat16"),
+    # K 120 in 3 parts of one 64-column step on sm90: a partial step and a part wholly past K (zero-filled loads)
+    ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(3, 40, 20, "bfloat16", split=3),
     ("hc_post", "hc_post"): hc_post.Variant(4, 100, "bfloat16"),
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
@@ -101,6 +103,21 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
         if case == ("linear", "gemm_fp8") and name == "sm90":  # Hopper's FP8 wgmma, fed by TMA
             assert "wgmma_ss<tl::DataType::kFloat8_e4m3" in source and "tma_load" in source
+
+
+@pytest.mark.parametrize("case", [("hc_pre", "hc_pre_split"), ("hc_mixes", "hc_mixes_split")])
+def test_hc_partials_on_sm90_are_the_tensor_core_gemm(case, cache):
+    """bf16 mHC partials on sm_90a: hc_mixes_sm90's override (TMA-fed bf16 wgmma with fp32 accumulators); the
+    portable body on the other targets and for fp32 streams."""
+    from tilekernels.ops import hc_mixes_sm90
+
+    variant, kernel = CASES[case], DECLARED[case[0]].kernel(case[1])
+    assert kernel.body_for("sm90", variant) is hc_mixes_sm90.body
+    assert all(kernel.body_for(t, variant) is kernel.body for t in ("sm100", "ascend", "c"))
+    assert kernel.body_for("sm90", dataclasses.replace(variant, dtype="float32")) is kernel.body
+    source = Compiler(source_only("sm90"), cache).get(request(*case, variant)).file("cuda").read_text()
+    assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in source
+    assert "tma_load" in source
 
 
 @pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])

@@ -2,10 +2,11 @@
 stochastic matrices by Sinkhorn-Knopp), without collapsing. V4's `hc_pre` is these mixes plus `hc_collapse`
 with its own pre; V4.1's "single pass" collapses each sublayer's input with the pre its predecessor computed.
 
-The kernel body here is also `hc_pre`'s: `mixes_body(..., collapse=True)` stores the collapsed streams
-instead of the pre mix (one read of the streams for both). All math in fp32. Up to SPLIT_ROWS tokens, split K:
-tiles (token, part) write partial mixing products and sums of squares to fp32 workspaces, and a finishing kernel per
-token sums them in part order (deterministic) and runs the one-pass kernel's tail (`split_for`, `launch_mixes`)."""
+The kernel bodies here are also `hc_pre`'s: `mixes_body(..., collapse=True)` stores the collapsed streams
+instead of the pre mix. All math in fp32. Two kernels at every row count (split K): tiles (token, part) write partial
+mixing products and sums of squares to fp32 workspaces, and a finishing kernel per token sums them in part order
+(deterministic) and runs the tail (`split_for`, `launch_mixes`). On sm_90a the partials stage of bf16 streams is a
+tensor-core GEMM over 64-token tiles (`hc_mixes_sm90`)."""
 
 import functools
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl, Override, require
+from tilekernels.ops import hc_mixes_sm90
 
 
 def reference(
@@ -50,7 +52,7 @@ class Variant:
     hidden: int  # H
     iters: int  # Sinkhorn iterations
     dtype: str
-    split: int = 1  # column parts per token (split-K): 1 one pass per token; S > 1 a partial and a finishing kernel
+    split: int = 1  # column parts per token of the partials kernel (split K, `split_for`)
 
 
 @dataclass(frozen=True)
@@ -60,47 +62,39 @@ class Config:
 
 
 CONFIGS = {"default": Config(), "c": Config(chunk=64, threads=1)}
-# Up to SPLIT_ROWS tokens split the mixing matvec: one tile per token streams all of fn (2 MB at V4.1) in 40 serial
-# chunks, while M * split tiles of 2 chunks fill the GPU (64: linear's decode bucket, a row count the plan traces)
-SPLIT_ROWS = 64
+# The mixing matvec is split in parts at every row count (one variant per layer: the plan needs no row boundary):
+# one tile per token would stream all of fn (2 MB at V4.1) in 40 serial chunks, while M * split portable tiles of 2
+# chunks fill the GPU at decode, and at prefill the sm_90a GEMM's (64 tokens, part) tiles do (a pass per token
+# re-read all of fn from L2 for every token: 2 ms for 4096 V4-Flash tokens on the H200)
 SPLIT_COLUMNS = 512  # parts cover whole multiples of the GPU chunk (the c target's 64 divides it)
 MAX_SPLIT = 20  # at most this many parts per token: V4.1's 40 chunks in 20 parts of 2, V4's 32 in 16
 
 
-def split_for(rows: int, columns: int) -> int:
-    """Parts per token of the mixing matvec over `columns` (N*H) for `rows` tokens: 1 above SPLIT_ROWS, else the
-    fewest parts of equally many SPLIT_COLUMNS chunks (but the last) that keeps to MAX_SPLIT."""
-    if rows > SPLIT_ROWS:
-        return 1
+def split_for(columns: int) -> int:
+    """Parts per token of the mixing matvec over `columns` (N*H), whatever the row count: the fewest parts of
+    equally many SPLIT_COLUMNS chunks (but the last) that keeps to MAX_SPLIT (1 up to SPLIT_COLUMNS columns)."""
     units = -(-columns // SPLIT_COLUMNS)
     per_part = -(-units // MAX_SPLIT)
     return -(-units // per_part)
 
 
-def mixes_body(P, v, cfg, collapse: bool, stage: str = "single"):
-    """The mixes kernel of `stage`: "single" one pass per token (one tile each), storing with `collapse` the streams
-    collapsed with the pre mix just computed (`hc_pre`) instead of the pre mix itself (`hc_mixes`); "split" the
-    partial mixing dot products and sums of squares of tiles (token, part) over each part's contiguous chunks into
-    fp32 workspaces [M, split * MIX] and [M, split]; "finish" per token: the partials summed in part order, then the
-    single pass's tail."""
+def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
+    """The mixes kernel of `stage`: "split" the partial mixing dot products and sums of squares of tiles
+    (token, part) over each part's contiguous chunks into fp32 workspaces [M, split * MIX] and [M, split];
+    "finish" per token: the partials summed in part order, then the tail, storing with `collapse` the streams
+    collapsed with the pre mix just computed (`hc_pre`) instead of the pre mix itself (`hc_mixes`)."""
     T = P.T
     N, H, dtype, SP = v.hc, v.hidden, v.dtype, v.split
     KN, MIX = N * H, (2 + N) * N
     BC = min(cfg.chunk, P.padded(KN, cfg.threads))  # stream columns per step, a multiple of the threads
     NC = -(-KN // BC)
-    RAGGED = KN % BC != 0  # the last chunk is partial: loads masked to 0 (adds nothing to the sums)
-    CPP = -(-NC // SP)  # chunks per part (split)
-    MASKED = RAGGED or CPP * SP != NC  # split: chunks past the last read as 0
+    CPP = -(-NC // SP)  # chunks per part
+    MASKED = KN % BC != 0 or CPP * SP != NC  # a partial last chunk or chunks past the last: loads masked to 0
     BH = min(cfg.chunk, H)  # collapse columns per step; a partial last step stores predicated
     NH = -(-H // BH)
     M = T.dynamic("M")
 
-    def stream(s_io, c, j):  # stream column c*BC + j in fp32, 0 past the end
-        if not RAGGED:
-            return T.cast(s_io[c * BC + j], "float32")
-        return T.if_then_else(c * BC + j < KN, T.cast(s_io[T.min(c * BC + j, KN - 1)], "float32"), 0.0)
-
-    def staged(s_io, c, j):  # split: the chunk's stream columns staged in s_io (zero-filled past the end)
+    def staged(s_io, c, j):  # the chunk's stream columns staged in s_io (zero-filled past the end)
         return T.cast(s_io[j], "float32")
 
     def row_max(mix, scale, base, i):
@@ -210,32 +204,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "single"):
             total = total + buf[p * stride + i]
         return total
 
-    single_step = matvec_step(RAGGED, stream)
     split_step = matvec_step(MASKED, staged)
-
-    @T.macro
-    def mixes(S, Fn, Base, Scale, Pre, Post, Comb, Out, hc_eps, norm_eps):
-        with P.kernel(M, cfg.threads) as pid:
-            s_io = P.alloc_io((KN,), dtype)
-            f_io = P.alloc_io((MIX, BC), "float32")
-            mix_io = P.alloc_io((MIX,), "float32")
-            pre_io = P.alloc_io((N,), "float32")
-            post_io = P.alloc_io((N,), "float32")
-            comb_io = P.alloc_io((N * N,), "float32")
-            red_io = P.alloc_io((N,), "float32")
-            o_io = P.alloc_io((BH,), dtype)
-            acc = P.alloc_vec((MIX,), "float32")
-            ss = P.alloc_vec((1,), "float32")
-            for row in P.tiles(M, pid):
-                T.copy(S[row, 0:KN], s_io)
-                with P.vector(cfg.threads):
-                    for o in T.Parallel(MIX):
-                        acc[o] = 0.0
-                    ss[0] = 0.0
-                for c in T.serial(NC):
-                    single_step(Fn, s_io, f_io, acc, ss, c)
-                tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, red_io, o_io, Scale, Base, Pre, Post, Comb,
-                     Out, hc_eps, norm_eps)
 
     @T.macro
     def partials(S, Fn, Dots, Sq):
@@ -311,36 +280,27 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "single"):
                    Pre: Tn((M, N), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), hc_eps: T.float32,
                    norm_eps: T.float32):
             finish(None, Dots, Sq, Base, Scale, Pre, Post, Comb, None, hc_eps, norm_eps)
-    elif collapse:
-        @T.prim_func
-        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
-                   Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype), hc_eps: T.float32,
-                   norm_eps: T.float32):
-            mixes(S, Fn, Base, Scale, None, Post, Comb, Out, hc_eps, norm_eps)
     else:
-        @T.prim_func
-        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
-                   Pre: Tn((M, N), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), hc_eps: T.float32,
-                   norm_eps: T.float32):
-            mixes(S, Fn, Base, Scale, Pre, Post, Comb, None, hc_eps, norm_eps)
+        raise ValueError(f"unknown mixes stage {stage!r} (split, finish)")
     return kernel
 
 
 def kernels(name: str, collapse: bool) -> tuple[Kernel, ...]:
-    """The op's kernels: `name` (one pass per token), `name`_split and `name`_finish (split-K, Variant.split > 1)."""
-    return tuple(Kernel(name + suffix, functools.partial(mixes_body, collapse=collapse, stage=stage), configs=CONFIGS)
-                 for suffix, stage in (("", "single"), ("_split", "split"), ("_finish", "finish")))
+    """The op's kernels: `name`_split (partials of (token, part) tiles; on sm_90a the bf16 tensor-core GEMM of
+    `hc_mixes_sm90`) and `name`_finish (per token: the sum of the parts, the tail and the stores)."""
+    split = Kernel(name + "_split", functools.partial(mixes_body, collapse=collapse, stage="split"), configs=CONFIGS,
+                   overrides=(Override("sm90", hc_mixes_sm90.fits, hc_mixes_sm90.body),))
+    return split, Kernel(name + "_finish", functools.partial(mixes_body, collapse=collapse, stage="finish"),
+                         configs=CONFIGS)
 
 
 def launch_mixes(launch, name: str, collapse: bool, v, streams, fn, base, scale, outs, hc_eps, norm_eps) -> None:
-    """Launch `name`'s mixes for variant `v`; `outs` the fp32 mixes and collapse outputs in kernel order. Split:
-    fp32 workspaces of partial dot products [M, split, MIX] and sums of squares [M, split] on the streams' device."""
+    """Launch `name`'s mixes for variant `v`; `outs` the fp32 mixes and collapse outputs in kernel order. Between
+    the two kernels: fp32 workspaces of partial dot products [M, split, MIX] and sums of squares [M, split] on the
+    streams' device."""
     m, n, h = streams.shape
     s = streams.reshape(m, n * h).contiguous()
     base, scale, eps = base.float().contiguous(), scale.float().contiguous(), (float(hc_eps), float(norm_eps))
-    if v.split == 1:
-        launch(name, v)(s, fn.float().contiguous(), base, scale, *outs, *eps)
-        return
     mix = (2 + n) * n
     dots = torch.empty(m, v.split, mix, dtype=torch.float32, device=streams.device)
     sq = torch.empty(m, v.split, dtype=torch.float32, device=streams.device)
@@ -354,8 +314,8 @@ KERNELS = kernels("hc_mixes", collapse=False)
 
 def variant(streams: torch.Tensor, sinkhorn_iters: int) -> Variant:
     """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
-    m, n, h = streams.shape
-    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype), split=split_for(m, n * h))
+    _, n, h = streams.shape
+    return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype), split=split_for(n * h))
 
 
 def check(op: str, streams, fn, base, scale, sinkhorn_iters) -> None:
@@ -389,5 +349,5 @@ OP = OpDecl(
     kernels=KERNELS,
     # fp32 outputs whatever the streams' dtype: sums in another order (hc_pre's 2e-2 is for its bf16 collapse)
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (1e-4, 1e-4)},
-    run=run, example=example, row_samples=(SPLIT_ROWS + 1,),
+    run=run, example=example,
 )
