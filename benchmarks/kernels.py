@@ -70,7 +70,8 @@ def copy_bandwidth() -> float:
 def cases(t: int) -> dict:
     """label -> (op, args, bytes, flops) at V4-Flash shapes for t tokens; the args are each op's own `example`
     for its V4-Flash variant (the generator the kernel tests use)."""
-    from tilekernels.ops import DECLARED, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope, swiglu
+    from tilekernels.ops import (DECLARED, compress_pool, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm,
+                                 rope, swiglu)
 
     def ex(name, variant):
         return DECLARED[name].example(variant, t, "cuda")
@@ -85,6 +86,9 @@ def cases(t: int) -> dict:
                            2 * t * 4 * H + 2 * t * H + 4 * 24 * 4 * H, 2 * t * 24 * 4 * H),
         "hc_post[4x4096]": ("hc_post", ex("hc_post", hc_post.Variant(4, H, "bfloat16")), 2 * t * 9 * H, 0),
     }
+    for label, (slots, dim) in {"CSA 8x512": (8, D), "HCA 128x512": (128, D)}.items():  # one window per token
+        pool = compress_pool.Variant(slots, dim, "bfloat16")
+        out[f"compress_pool[{label}]"] = ("compress_pool", ex("compress_pool", pool), t * slots * dim * 6 + 2 * t * dim, 0)
     for label, (n, k) in {"q_a_proj 1024x4096": (1024, H), "q_b_proj 32768x1024": (NH * D, 1024),
                           "o_b_proj 4096x8192": (H, 8192), "lm_head 129280x4096": (129280, H)}.items():
         out[f"linear[{label}]"] = ("linear", ex("linear", linear.Variant(n, k, "bfloat16")),

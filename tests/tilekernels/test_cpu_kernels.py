@@ -3,14 +3,17 @@ then the whole tiny model through the kernel op table against the reference op t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from codegen.driver import record_run
 from tilekernels import reference_table
-from tilekernels.kernels import kernel_table
-from tilekernels.ops import (DECLARED, act_quant, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope,
-                             sparse_attention, swiglu)
+from tilekernels.errors import ShapeError
+from tilekernels.kernels import Recorder, kernel_table, table
+from tilekernels.ops import (DECLARED, act_quant, compress_pool, hc_post, hc_pre, linear, moe_experts, moe_gate,
+                             rms_norm, rope, sparse_attention, swiglu)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +63,14 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "hc_post-ragged": ("hc_post", hc_post.Variant(4, 100, F), 1),
     "sparse_attention": ("sparse_attention", sparse_attention.Variant(16, 32, F), 3),
     "sparse_attention-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 2),
+    # V4-Flash's compressors (CSA with its overlap: 8 slots, head_dim 512 and the indexer's 128; HCA: 128 slots),
+    # V4.1's ratio 2, and channel counts the c target's 64-wide blocks do not divide (100: a partial block, 20)
+    "compress_pool-csa": ("compress_pool", compress_pool.Variant(8, 512, F), 5),
+    "compress_pool-csa-indexer": ("compress_pool", compress_pool.Variant(8, 128, F), 4),
+    "compress_pool-hca": ("compress_pool", compress_pool.Variant(128, 512, F), 3),
+    "compress_pool-v41": ("compress_pool", compress_pool.Variant(2, 512, F), 6),
+    "compress_pool-ragged": ("compress_pool", compress_pool.Variant(8, 100, F), 3),
+    "compress_pool-odd": ("compress_pool", compress_pool.Variant(3, 20, F), 4),
 }
 
 
@@ -87,6 +98,42 @@ def test_op_matches_reference_in_fp32(case, ops, cache):
         else:
             torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol)
     record_run(cache, name, "c", "fp32 on TileLang's c target matched the reference")
+
+
+def test_compress_pool_empty_slots_and_windows_as_the_reference(ops):
+    """Empty (-inf) slots weigh 0; a channel whose every slot is empty, and a whole empty window, give the
+    reference's NaN (no caller builds one: compress_pool.py); no window (a short prefill chunk) launches nothing."""
+    kv, gate = compress_pool.example(compress_pool.Variant(8, 100, F), 4, "cpu")
+    gate[0, :4] = float("-inf")  # CSA's first window: no predecessor
+    gate[1, :, 7] = float("-inf")
+    gate[2] = float("-inf")
+    got, want = ops.compress_pool(kv, gate), compress_pool.reference(kv, gate)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 101
+    torch.testing.assert_close(got, want, atol=3.5e-5, rtol=1e-6, equal_nan=True)
+    assert ops.compress_pool(kv[:0], gate[:0]).shape == (0, 100)
+
+
+@pytest.mark.parametrize("kv, gate, message", [
+    ((3, 8, 64), (3, 8), "gate must be kv's shape [3, 8, 64], got [3, 8]"),
+    ((24, 64), (24, 64), "kv must be [W, S, d], got [24, 64]"),
+    ((3, 300, 64), (3, 300, 64), "slots per window S=300; accepted: 1..256"),
+    ((3, 0, 64), (3, 0, 64), "slots per window S=0; accepted: 1..256"),
+])
+def test_compress_pool_names_the_shapes_it_cannot_take(kv, gate, message, ops):
+    with pytest.raises(ShapeError, match=re.escape(message)):
+        ops.compress_pool(torch.zeros(kv), torch.zeros(gate))
+    with pytest.raises(ShapeError, match="kv dtype torch.int32 is not one of"):
+        ops.compress_pool(torch.zeros(3, 8, 64, dtype=torch.int32), torch.zeros(3, 8, 64))
+
+
+def test_compress_pool_variant_from_meta_tensors():
+    """The plan traces on meta tensors: bf16 kv with fp32 gates (V4 on the GPU) is its own variant; W is dynamic."""
+    recorder = Recorder()
+    for w in (1, 4096):
+        kv = torch.empty(w, 128, 512, dtype=torch.bfloat16, device="meta")
+        table(recorder).compress_pool(kv, torch.empty(w, 128, 512, device="meta"))
+    assert list(recorder.seen) == [("compress_pool", "compress_pool",
+                                    compress_pool.Variant(128, 512, "bfloat16", "float32"))]
 
 
 def test_tiny_model_through_kernels_equals_reference_path(cache):

@@ -13,9 +13,10 @@ import torch
 import backends
 from codegen import Compiler
 from tilekernels.kernels import request
-from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, engram_gate, engram_lookup, fp4_act_qdq,
-                             fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre, indexer_scores_fp4, linear,
-                             linear_fp8, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu)
+from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, engram_gate, engram_lookup,
+                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_finish_sm90, hc_mixes, hc_post, hc_pre,
+                             indexer_scores_fp4, linear, linear_fp8, moe_experts, moe_gate, rms_norm, rope,
+                             sparse_attention, swiglu)
 
 # One bf16 variant per kernel, at V4-Flash widths.
 CASES = {
@@ -33,6 +34,7 @@ CASES = {
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
+    ("compress_pool", "compress_pool"): compress_pool.Variant(128, 512, "bfloat16"),  # HCA: the largest staged tile
     # V4.1's own, at V4.1 widths (odd widths: tests/tilekernels/test_v41_kernels.py on the c target)
     ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),  # sm90: the GEMM too
     ("hc_mixes", "hc_mixes_finish"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),
@@ -61,10 +63,12 @@ ODD = {
     ("hc_post", "hc_post"): hc_post.Variant(4, 100, "bfloat16"),
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
+    ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
 }
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.
-FP32 = {("linear", "gemm"): linear.Variant(512, 5120, "float32")}
+FP32 = {("linear", "gemm"): linear.Variant(512, 5120, "float32"),
+        ("compress_pool", "compress_pool"): compress_pool.Variant(2, 512, "float32")}  # V4.1 pools fp32 kv
 # V4.1's index keys in the FP4 cache: 128 wide, groups of 32, ue8m0 scales (CASES has the latents' variants)
 KEYS = {("fp4_pack", "fp4_pack"): fp4_pack.Variant(128, 32, "ue8m0", "bfloat16"),
         ("fp4_gather", "fp4_gather"): fp4_gather.Variant(128, 32, "ue8m0", "bfloat16")}
@@ -118,6 +122,21 @@ def test_hc_partials_on_sm90_are_the_tensor_core_gemm(case, cache):
     source = Compiler(source_only("sm90"), cache).get(request(*case, variant)).file("cuda").read_text()
     assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in source
     assert "tma_load" in source
+
+
+@pytest.mark.parametrize("case", [("hc_pre", "hc_pre_finish"), ("hc_mixes", "hc_mixes_finish")])
+def test_hc_finish_on_sm90_runs_each_tail_in_one_thread(case, cache):
+    """bf16 mHC finish on sm_90a: hc_finish_sm90's override (a token's tail in one thread's registers, no barrier
+    inside it; hc_pre's collapse in 16-byte loads); the portable body elsewhere and for fp32 streams."""
+    variant, kernel = CASES[case], DECLARED[case[0]].kernel(case[1])
+    assert kernel.body_for("sm90", variant).func is hc_finish_sm90.body
+    assert all(kernel.body_for(t, variant) is kernel.body for t in ("sm100", "ascend", "c"))
+    assert kernel.body_for("sm90", dataclasses.replace(variant, dtype="float32")) is kernel.body
+    source = Compiler(source_only("sm90"), cache).get(request(*case, variant)).file("cuda").read_text()
+    assert "float mix[24];" in source and "float c[16];" in source  # the tail's state in registers
+    assert source.count("__syncthreads") <= 1
+    if case[0] == "hc_pre":
+        assert "*(uint4*)(S" in source
 
 
 @pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])

@@ -135,7 +135,8 @@ def test_candidate_ties_go_to_the_lower_block(ops):
 
 def test_v41_ops_run_on_meta_tensors():
     """Each `run` validates and launches without reading a value (the compile plan traces the model on meta
-    tensors): the recorder sees one kernel per op, with the variant of the inputs."""
+    tensors): the recorder sees each op's kernels (hc_mixes: its partials and its finish), with the variant of the
+    inputs."""
     recorder = Recorder()
     ops = table(recorder)
     meta = torch.device("meta")
@@ -144,7 +145,8 @@ def test_v41_ops_run_on_meta_tensors():
         args = DECLARED[name].example(variant, 4, "cpu")
         args = tuple(to_meta(a, meta) for a in args)
         getattr(ops, name)(*args)
-    assert {(op, kernel) for op, kernel, _ in recorder.seen} == {(n, n) for n in V41_OPS}
+    expected = {(n, k.name) for n in V41_OPS for k in DECLARED[n].kernels}
+    assert {(op, kernel) for op, kernel, _ in recorder.seen} == expected
 
 
 def to_meta(a, meta):
@@ -186,13 +188,15 @@ def test_shapes_the_kernels_cannot_take_are_named(call, message, ops):
 
 @pytest.mark.parametrize("name", ["a", "b"])
 def test_v41_fixture_through_the_new_kernels_matches_the_reference_path(name, ops):
-    """The tiny V4.1 fixtures with the six ops on their c kernels (the rest on the reference): logits within the
-    fixtures' own bounds (fp32 summation order; one rounding flip of the FP4/FP8 grids downstream at most)."""
+    """The tiny V4.1 fixtures with V4.1's own ops and the compressor's pooling (ratio 2, fp32: compress_pool) on
+    their c kernels (the rest on the reference): logits within the fixtures' own bounds (fp32 summation order; one
+    rounding flip of the FP4/FP8 grids downstream at most)."""
     from tests.v41_fixture import assert_logits_close, fixture, run
     from tilekernels import reference_table
     from tilekernels.op import OpTable
 
     fx = fixture(name)
-    mixed = OpTable({n: getattr(ops, n) if n in V41_OPS else d.reference for n, d in DECLARED.items()}, DECLARED)
+    on_kernels = set(V41_OPS) | {"compress_pool"}
+    mixed = OpTable({n: getattr(ops, n) if n in on_kernels else d.reference for n, d in DECLARED.items()}, DECLARED)
     for got, want in zip(run(fx, mixed), run(fx, reference_table()), strict=True):
         assert_logits_close(got, want)
