@@ -14,7 +14,7 @@ import backends
 from codegen import Compiler
 from tilekernels.kernels import request
 from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, engram_gate, engram_lookup,
-                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_finish_sm90, hc_mixes, hc_post, hc_pre,
+                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre,
                              indexer_scores_fp4, linear, linear_fp8, moe_experts, moe_gate, rms_norm, rope,
                              sparse_attention, swiglu)
 
@@ -122,21 +122,6 @@ def test_hc_partials_on_sm90_are_the_tensor_core_gemm(case, cache):
     source = Compiler(source_only("sm90"), cache).get(request(*case, variant)).file("cuda").read_text()
     assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in source
     assert "tma_load" in source
-
-
-@pytest.mark.parametrize("case", [("hc_pre", "hc_pre_finish"), ("hc_mixes", "hc_mixes_finish")])
-def test_hc_finish_on_sm90_runs_each_tail_in_one_thread(case, cache):
-    """bf16 mHC finish on sm_90a: hc_finish_sm90's override (a token's tail in one thread's registers, no barrier
-    inside it; hc_pre's collapse in 16-byte loads); the portable body elsewhere and for fp32 streams."""
-    variant, kernel = CASES[case], DECLARED[case[0]].kernel(case[1])
-    assert kernel.body_for("sm90", variant).func is hc_finish_sm90.body
-    assert all(kernel.body_for(t, variant) is kernel.body for t in ("sm100", "ascend", "c"))
-    assert kernel.body_for("sm90", dataclasses.replace(variant, dtype="float32")) is kernel.body
-    source = Compiler(source_only("sm90"), cache).get(request(*case, variant)).file("cuda").read_text()
-    assert "float mix[24];" in source and "float c[16];" in source  # the tail's state in registers
-    assert source.count("__syncthreads") <= 1
-    if case[0] == "hc_pre":
-        assert "*(uint4*)(S" in source
 
 
 @pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])
