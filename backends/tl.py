@@ -5,8 +5,13 @@ tilelang is imported here, lazily, and nowhere at package import time."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +21,7 @@ LIB_FILE = "executable.so"
 PARAMS_FILE = "params.json"
 HOST_FILE = "host_kernel.c"
 BACKEND_FILE = "execution_backend"
+SIGNATURE_FILE = "signature.json"  # the kernel's PrimFunc without its body: what loading a built library needs
 
 
 def tilelang():
@@ -130,9 +136,117 @@ def lower_source(func: Any, target: Any) -> str:
                      cpu=target.tvm_target == "c")["source"].read_text()
 
 
-def load_library(lib_dir: Path, device_source: Path, func: Any, tvm_target: Any, pass_configs: dict[str, Any]) -> Any:
-    """A callable JITKernel from a library `build_library` wrote (no recompilation)."""
+def signature_json(func: Any) -> str:
+    """The PrimFunc's signature (params, buffer map with its symbolic shapes and strides, attrs; the body replaced
+    by a no-op) as TVM JSON: all TileLang's library adapters read of the PrimFunc when they load a built library
+    (`JITKernel.from_database`), so a cached kernel loads without re-tracing its body."""
     tilelang()
+    import tvm
+    from tvm import tirx
+
+    return tvm.ir.save_json(func.with_body(tirx.Evaluate(0)))
+
+
+class Signature:
+    """A saved signature (`signature_json`'s text), parsed into the PrimFunc only when a loader needs it (`func`,
+    which imports TileLang); `load_ffi_library` reads the text alone."""
+
+    def __init__(self, text: str):
+        json.loads(text)  # ValueError now, not in the middle of a load
+        self.text = text
+
+    @functools.cached_property
+    def func(self) -> Any:
+        tilelang()
+        import tvm
+        from tvm import tirx
+
+        func = tvm.ir.load_json(self.text)
+        if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "global_symbol" not in func.attrs:
+            raise ValueError(f"not a kernel signature: {type(func).__name__}")
+        return func
+
+
+def _package_lib_dir() -> Path | None:
+    """TileLang's native library directory, found without importing it."""
+    spec = importlib.util.find_spec("tilelang")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return Path(roots[0]) / "lib" if roots and (Path(roots[0]) / "lib").is_dir() else None
+
+
+@functools.lru_cache(maxsize=1)
+def native_stamp() -> dict[str, str]:
+    """TileLang's installed version and a content hash of its native libraries, read without importing it (what
+    `codegen.compiler.source_key` covers of TileLang, so that a warm start need not import it)."""
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    lib = _package_lib_dir()
+    for f in sorted(lib.glob("*.so")) if lib else ():
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return {"tilelang": metadata.version("tilelang"), "tilelang_libs": h.hexdigest() if lib else ""}
+
+
+@functools.lru_cache(maxsize=1)
+def _native_runtime() -> None:
+    """TileLang's native libraries loaded as its import loads them (lazily bound; z3 and the TVM runtime global,
+    libtilelang local), without its Python packages: the TVM runtime registers the CUDA module loader and
+    `__tvm_set_device`, libtilelang `__tvm_tensormap_create_tiled`, which a library's host code looks up."""
+    if "tilelang" in sys.modules:
+        return
+    import ctypes
+
+    lib = _package_lib_dir()
+    if lib is None:
+        raise OSError("TileLang's native libraries were not found")
+    z3 = importlib.util.find_spec("z3")
+    z3_lib = Path(next(iter(z3.submodule_search_locations))) / "lib" / "libz3.so" if z3 and z3.submodule_search_locations else None
+    if z3_lib is not None and z3_lib.is_file():
+        ctypes.CDLL(str(z3_lib), mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)
+    ctypes.CDLL(str(lib / "libtvm_runtime.so"), mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)
+    ctypes.CDLL(str(lib / "libtilelang.so"), mode=ctypes.RTLD_LOCAL | os.RTLD_LAZY)
+
+
+class FfiKernel:
+    """A TileLang `tvm_ffi` library called as TileLang's adapter calls a kernel that returns no outputs (every
+    deepinfer kernel: `lower` gives no out_idx): the module's entry with the caller's arguments; TVM-FFI reads
+    torch's current stream, as under TileLang. Returns [] as that adapter does."""
+
+    def __init__(self, module: Any):
+        self.module = module
+        self._main = module.main
+
+    def __call__(self, *args: Any) -> list:
+        self._main(*args)
+        return []
+
+
+def load_ffi_library(lib_dir: Path, signature: Signature) -> FfiKernel | None:
+    """The library through TVM-FFI alone (no TileLang or TVM Python import: seconds off a cold start), or None when
+    it needs TileLang's adapter: another execution backend, outputs the adapter allocates, a runtime function its
+    host code looks up that the native libraries do not register."""
+    if (lib_dir / BACKEND_FILE).read_text().strip() != "tvm_ffi":
+        return None
+    if any(attr in signature.text for attr in ("tilelang_out_idx", "tilelang_callee_allocated_outputs")):
+        return None
+    _native_runtime()
+    import tvm_ffi
+
+    needed = set(re.findall(r'"(__tvm_[A-Za-z0-9_]+)"', (lib_dir / HOST_FILE).read_text()))
+    if any(tvm_ffi.get_global_func(name, allow_missing=True) is None for name in needed):
+        return None
+    return FfiKernel(tvm_ffi.load_module(str((lib_dir / LIB_FILE).resolve())))
+
+
+def load_library(lib_dir: Path, device_source: Path, func: Any, tvm_target: Any, pass_configs: dict[str, Any]) -> Any:
+    """A callable JITKernel from a library `build_library` wrote (no recompilation); `func` is the PrimFunc or
+    its saved `Signature`."""
+    tilelang()
+    if isinstance(func, Signature):
+        func = func.func
     from tilelang.engine.param import load_kernel_params
     from tilelang.jit import JITKernel
 

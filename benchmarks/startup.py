@@ -52,7 +52,7 @@ def run_offline(backend: str, cache_dir: Path, prompt: str, max_new_tokens: int,
         "first_token_s": first,
         "wall_s": round(wall, 3),
         "phases": phases,
-        # imports, tokenizer, engine set-up and the first prefill: the time to the first token no phase covers
+        # engine set-up and the first request's prefill: the time to the first token no phase covers
         "outside_phases_s": None if first is None else round(first - sum(p["s"] for p in phases.values()), 2),
         "kernels_compiled": int(compiled.group(1)) if compiled else 0,
         "prefill_tok_s": float(rates.group(1)) if rates else None,

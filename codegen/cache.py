@@ -4,6 +4,10 @@ An entry is built in a staging directory next to its final place and renamed int
 written last, lists every file with its SHA-256, so a truncated or edited entry is detected on load and
 rebuilt. A per-entry file lock with a re-check after acquiring it makes concurrent builds of one entry
 safe: one process builds, the others find it built.
+
+Beside the entries, `index/` maps a request's source key (computed without tracing its body) to the key of the
+entry its trace gave, so that a warm start loads kernels without re-tracing them (`Compiler.load`). A record is
+a small JSON file, replaced atomically; an unreadable one is a miss (the load traces, as without an index).
 """
 
 from __future__ import annotations
@@ -84,6 +88,31 @@ def publish(tmp: Path, entry: Path, meta: dict) -> None:
     if entry.exists():  # a corrupted entry being replaced
         shutil.rmtree(entry)
     os.rename(tmp, entry)
+
+
+def read_record(path: Path) -> dict | None:
+    """An index record (a JSON object), or None when it is missing or unreadable."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def write_record(path: Path, record: dict) -> bool:
+    """Write an index record atomically (a concurrent reader sees the old file or the whole new one); False when
+    the cache is not writable (the next start traces again, nothing else changes)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.debug("cannot write the kernel index record %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
+    return True
 
 
 def keep_failure(tmp: Path, failures: Path) -> Path:

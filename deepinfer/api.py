@@ -72,8 +72,10 @@ class LLM:
         torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         self.max_model_len = model_len(cfg, max_model_len)
         # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
+        begin = time.perf_counter()
         self.recipe = Recipe(tokenizer if tokenizer is not None else tokenizer_path(self.model_dir),
                              v41=True if v41 else None)
+        log.info("deepinfer: start-up: tokenizer %.2f s (%s)", time.perf_counter() - begin, self.recipe.path)
         self.keep_quantized = quantization == "auto"  # FP8 / FP4 checkpoint tensors stay quantized (V4 and V4.1)
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress)
@@ -91,7 +93,7 @@ class LLM:
                              self.grammars, max_len=self.max_model_len)
         begin = time.perf_counter()
         self.engine.capture_all()  # every decode-graph bucket at start, not in the first requests' path
-        log.info("decode graphs captured in %.2f s", time.perf_counter() - begin)
+        log.info("deepinfer: start-up: graph capture %.2f s (every decode bucket)", time.perf_counter() - begin)
         self.last_stats: RunStats | None = None
 
     # ---- public API ----------------------------------------------------------------------------

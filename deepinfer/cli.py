@@ -231,6 +231,8 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
         if model_dir is None:
             click.echo("deepinfer: no --model and no DEEPINFER_HF_MODEL_DIR: using the embedded tiny DeepSeek-V4 "
                        "with RANDOM weights (its output is meaningless text)", err=True)
+        logging.getLogger("deepinfer").info("deepinfer: start-up: interpreter and imports %.2f s",
+                                            time.perf_counter() - _START)
         llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
                   show_progress=True, quantization=quantization, async_scheduling=async_scheduling)

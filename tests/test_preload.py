@@ -127,7 +127,8 @@ def test_llm_on_a_kernel_backend_loads_the_whole_plan_before_any_request(monkeyp
     assert compiler.calls == Counter(plan)
     phases = [re.fullmatch(r"deepinfer: start-up: ([a-z ]+?) [0-9.]+ s \(.*\)", r.getMessage())
               for r in caplog.records if r.getMessage().startswith("deepinfer: start-up:")]
-    assert [m and m.group(1) for m in phases] == ["weights", "kernel build check", "kernel load", "cache allocation"]
+    assert [m and m.group(1) for m in phases] == ["tokenizer", "weights", "kernel build check", "kernel load",
+                                                  "cache allocation", "graph capture"]
 
 
 def test_the_plan_is_traced_once_per_config_and_kept_in_the_kernel_cache(tmp_path, monkeypatch, plan):

@@ -66,7 +66,9 @@ def cuda_stages(arch: str, tvm_target: dict, library: bool = True) -> tuple[Stag
 
 
 class NvidiaRuntime:
-    """Loads a built library; calls launch on torch's current CUDA stream (graph-capture safe)."""
+    """Loads a built library; calls launch on torch's current CUDA stream (graph-capture safe). A kernel loaded
+    from its saved signature goes through TVM-FFI alone when it can (`tl.load_ffi_library`: TileLang and TVM are
+    then never imported at start); otherwise, and for a traced PrimFunc, through TileLang's JITKernel."""
 
     def __init__(self, tvm_target: dict):
         self.tvm_target = tvm_target
@@ -75,4 +77,8 @@ class NvidiaRuntime:
         lib = artifact_dir / "lib"
         if not (lib / tl.LIB_FILE).is_file():
             raise BackendError(f"{artifact_dir} has no runtime library (built without nvcc?)")
+        if isinstance(func, tl.Signature):
+            kernel = tl.load_ffi_library(lib, func)
+            if kernel is not None:
+                return kernel
         return tl.load_library(lib, artifact_dir / "kernel.cu", func, self.tvm_target, pass_configs)
