@@ -14,9 +14,9 @@ import backends
 from codegen import Compiler
 from tilekernels.kernels import request
 from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, engram_gate, engram_lookup,
-                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre,
+                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre, indexer_scores,
                              indexer_scores_fp4, linear, linear_fp8, moe_experts, moe_gate, rms_norm, rope,
-                             sparse_attention, swiglu)
+                             sparse_attention, split_sum, swiglu)
 
 # One bf16 variant per kernel, at V4-Flash widths.
 CASES = {
@@ -25,6 +25,8 @@ CASES = {
     ("rope", "rope"): rope.Variant(64, 512, 64, "bfloat16"),
     ("linear", "gemm"): linear.Variant(1024, 4096, "bfloat16"),
     ("linear", "gemm_fp8"): linear_fp8.Variant(1024, 4096, "bfloat16", (128, 128), groups=8, ue8m0=True),
+    ("linear", "split_sum"): split_sum.Variant(16, 1024, "bfloat16"),  # q_a at decode: 16 K slices
+    ("indexer_scores", "indexer_scores"): indexer_scores.Variant(64, 128, "bfloat16", False),
     ("act_quant", "act_quant"): act_quant.Variant(4096, 128, "bfloat16", pow2=True),
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
@@ -52,6 +54,8 @@ CASES = {
 # head dim 20 is padded to 32 by its `variant`): they used to fail layout inference on sm90/sm100.
 _ODD_ATTENTION = sparse_attention.variant(torch.empty(1, 5, 20, dtype=torch.bfloat16, device="meta"))
 ODD = {
+    ("linear", "split_sum"): split_sum.Variant(3, 100, "bfloat16"),  # a partial column block
+    ("indexer_scores", "indexer_scores"): indexer_scores.Variant(16, 32, "bfloat16", True, 4, 64),
     ("rms_norm", "rms_norm"): rms_norm.Variant(20, "bfloat16"),
     ("swiglu", "swiglu"): swiglu.Variant(1408, "bfloat16"),
     ("rope", "rope"): rope.Variant(5, 20, 6, "bfloat16"),

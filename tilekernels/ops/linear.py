@@ -21,7 +21,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
-from tilekernels.ops import linear_fp8, linear_sm90
+from tilekernels.ops import linear_fp8, linear_sm90, split_sum
 from tilekernels.ops.linear_sm90 import Tiles
 from tilekernels.quant import BlockQuantized, dense
 
@@ -161,7 +161,7 @@ def split_factor(narrow: bool, n: int, k: int, groups: int, k_tiles: int) -> int
 
 def gemm(launch, a: torch.Tensor, weight: torch.Tensor, v: Variant) -> torch.Tensor:
     """a [M, K] @ weight [N, K]^T -> [M, N] (groups 1), or a [M, G, K] with weight [G, N, K] -> [M, G, N]
-    (per-group products), in a's dtype; split K sums an fp32 workspace [split_k, ...] afterwards."""
+    (per-group products), in a's dtype; split K sums an fp32 workspace [split_k, ...] afterwards (`split_sum`)."""
     out_shape = (*a.shape[:-1], v.n)
     if v.split_k == 1:
         y = torch.empty(out_shape, dtype=a.dtype, device=a.device)
@@ -169,7 +169,7 @@ def gemm(launch, a: torch.Tensor, weight: torch.Tensor, v: Variant) -> torch.Ten
         return y
     partial = torch.empty((v.split_k, *out_shape), dtype=torch.float32, device=a.device)
     launch("gemm", v)(a, weight, partial)
-    return partial.sum(0).to(a.dtype)
+    return split_sum.reduce(launch, partial, a.dtype)
 
 
 def run(launch, x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch.Tensor:
@@ -197,7 +197,7 @@ def example(v: Variant | linear_fp8.Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "linear", "dense projection y = x @ W^T", reference,
-    kernels=(KERNEL, linear_fp8.KERNEL),
+    kernels=(KERNEL, linear_fp8.KERNEL, split_sum.KERNEL),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
     run=run, example=example, uses=("act_quant",), row_samples=(ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
 )

@@ -19,6 +19,7 @@ import torch
 
 from tilekernels import dtypes, fp8
 from tilekernels.op import Kernel, Override, require
+from tilekernels.ops import split_sum
 from tilekernels.quant import BlockQuantized, exponent_bytes, is_exponent_bytes
 
 SCALE_BLOCKS = (32, 64, 128)  # K-block depths a kernel tile takes (one scale block per K tile)
@@ -289,7 +290,7 @@ def gemm(launch, x: torch.Tensor, weight: BlockQuantized, groups: int = 1) -> to
     else:
         partial = torch.empty((v.split_k, *out_shape), dtype=torch.float32, device=x.device)
         launch("gemm_fp8", v)(a, sa, codes, scales, partial)
-        y = partial.sum(0).to(x.dtype)
+        y = split_sum.reduce(launch, partial, x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
