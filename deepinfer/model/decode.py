@@ -44,8 +44,8 @@ def decode_core(ctx: AttentionContext, w: Attention, p: Projected, inp: DecodeIn
             ikv, igate, iq, iw = p.index
             idx = layer.indexer
             compress_decode(ops, idx, w.indexer.compressor, slots, pos, blocks, ikv, igate, eps, crope)
-            keys = idx.store[idx.layout.entry_rows(blocks, entry)]  # [B, E, dI]
-            scores = ops.indexer_scores(iq, keys, iw, cfg.index_head_dim**-0.5)
+            rows = idx.layout.entry_rows(blocks, entry)  # [B, E]: each sequence's keys, read where they are stored
+            scores = ops.indexer_scores(iq, idx.store, iw, cfg.index_head_dim**-0.5, rows=rows)
             picks = ops.indexer_topk(scores, visible, cfg.index_topk)
         else:
             picks = torch.where(entry < visible.view(-1, 1), entry, torch.full_like(entry, -1))

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 def flash_variants() -> dict:
     """op -> the variant its inputs are made for, at V4-Flash widths (hidden 4096, 64 heads of 512, 256
     experts top 6, hc 4, vocab 129280); the inputs come from each op's own `example`."""
-    from tilekernels.ops import (act_quant, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm, rope,
-                                 sparse_attention, swiglu)
+    from tilekernels.ops import (act_quant, compress_pool, hc_post, hc_pre, indexer_scores, linear, moe_experts,
+                                 moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
     return {
         "act_quant": act_quant.Variant(4096, 128, "bfloat16", pow2=True),
@@ -31,6 +31,8 @@ def flash_variants() -> dict:
         "hc_pre": hc_pre.Variant(4, 4096, 20, "bfloat16"),
         "hc_post": hc_post.Variant(4, 4096, "bfloat16"),
         "sparse_attention": sparse_attention.Variant(64, 512, "bfloat16"),
+        "compress_pool": compress_pool.Variant(128, 512, "bfloat16"),
+        "indexer_scores": indexer_scores.Variant(64, 128, "bfloat16", False),
     }
 
 

@@ -12,8 +12,8 @@ from codegen.driver import record_run
 from tilekernels import reference_table
 from tilekernels.errors import ShapeError
 from tilekernels.kernels import Recorder, kernel_table, table
-from tilekernels.ops import (DECLARED, act_quant, compress_pool, hc_post, hc_pre, linear, moe_experts, moe_gate,
-                             rms_norm, rope, sparse_attention, swiglu)
+from tilekernels.ops import (DECLARED, act_quant, compress_pool, hc_post, hc_pre, indexer_scores, linear, moe_experts,
+                             moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,8 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "hc_post-ragged": ("hc_post", hc_post.Variant(4, 100, F), 1),
     "sparse_attention": ("sparse_attention", sparse_attention.Variant(16, 32, F), 3),
     "sparse_attention-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 2),
+    "indexer_scores": ("indexer_scores", indexer_scores.Variant(16, 64, F, False), 3),
+    "indexer_scores-shared-odd": ("indexer_scores", indexer_scores.Variant(5, 20, F, True), 7),
     # V4-Flash's compressors (CSA with its overlap: 8 slots, head_dim 512 and the indexer's 128; HCA: 128 slots),
     # V4.1's ratio 2, and channel counts the c target's 64-wide blocks do not divide (100: a partial block, 20)
     "compress_pool-csa": ("compress_pool", compress_pool.Variant(8, 512, F), 5),

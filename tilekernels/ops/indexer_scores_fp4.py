@@ -27,12 +27,13 @@ import torch
 from tilekernels import dtypes, fp8
 from tilekernels.op import Kernel, OpDecl, require
 from tilekernels.ops import fp4_gather, indexer_scores
+# Keys per tile (the GEMM's M) and queries per tile, shared with the plain-key op: per-query rows take 128 keys of
+# one query (N = nI = 32: tcgen05 on sm_100a takes N 32 only with M 128), shared rows 64 keys of 4 queries
+# (N = 4 * nI = 128).
+from tilekernels.ops.indexer_scores import BLOCK_E, SHARED_BLOCK_E, SHARED_BLOCK_Q
 
 NAME = "indexer_scores_fp4"
 GROUP = 32  # values per ue8m0 scale byte (V4.1's index keys)
-# Keys per tile (the GEMM's M) and queries per tile: per-query rows take 128 keys of one query (N = nI = 32: tcgen05
-# on sm_100a takes N 32 only with M 128), shared rows 64 keys of 4 queries (N = 4 * nI = 128).
-BLOCK_E, SHARED_BLOCK_E, SHARED_BLOCK_Q = 128, 64, 4
 
 
 def reference(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
@@ -182,35 +183,19 @@ def run(launch, q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, rows
             f"codes must be [N, dI / 2] = [N, {d // 2}], got {list(codes.shape)}")
     require(scales.dim() == 2 and scales.shape[1] == d // GROUP and scales.shape[0] == codes.shape[0], NAME,
             f"scales must be [N, dI / {GROUP}] = [{codes.shape[0]}, {d // GROUP}], got {list(scales.shape)}")
-    require(rows.dtype in (torch.int64, torch.int32), NAME, f"rows must be int64 (or int32), got {rows.dtype}")
-    require(rows.dim() == 1 or (rows.dim() == 2 and rows.shape[0] == s), NAME,
-            f"rows must be [S, E] = [{s}, E] or [E], got {list(rows.shape)}")
-    require(weights.dtype == torch.float32 and tuple(weights.shape) == (s, h), NAME,
-            f"weights must be float32 [S, nI] = [{s}, {h}], got {weights.dtype} {list(weights.shape)}")
+    indexer_scores.check_rows_weights(NAME, rows, weights, s, h)
     e = rows.shape[-1]
     v = variant(q, rows.dim() == 1)
     if s == 0 or e == 0:
         return torch.zeros(s, e, dtype=torch.float32, device=q.device)
     require(codes.shape[0] > 0, NAME, "rows given but the store has no rows")
-    ne = -(-e // v.block_e)
-    sp = -(-s // v.block_q) * v.block_q
-    sets = rows.view(1, e) if v.shared else rows
-    if e % v.block_e:  # pad to whole key tiles with storage row 0 (their scores are dropped)
-        idx = torch.zeros(sets.shape[0], ne * v.block_e, dtype=torch.int64, device=q.device)
-        idx[:, :e] = sets
-    else:
-        idx = sets.to(torch.int64).contiguous()  # no copy for int64 rows
-    qq, w = q.contiguous(), weights.contiguous()
-    if sp != s:  # zero queries in the last block (shared rows): their scores are dropped
-        qq = torch.cat([qq, qq.new_zeros(sp - s, h, d)])
-        w = torch.cat([w, w.new_zeros(sp - s, h)])
-    out = torch.empty(sp, ne, v.block_e, dtype=torch.float32, device=q.device)
+    idx = indexer_scores.pad_rows(rows, v.shared, v.block_e)
+    qq, w = indexer_scores.pad_queries(q, weights, v.block_q)
+    out = torch.empty(qq.shape[0], idx.shape[1], v.block_e, dtype=torch.float32, device=q.device)
     sc = scales.contiguous()  # the kernel reads code (and at dI % 128 == 0 scale) bytes as int32 words
     sc = sc.view(torch.int32) if scale_words(d) else sc
-    launch(NAME, v)(qq.view(sp * h, d), codes.contiguous().view(torch.int32), sc, idx.view(-1, ne, v.block_e), w,
-                    out, float(scale))
-    out = out.view(sp, ne * v.block_e)
-    return out if out.shape == (s, e) else out[:s, :e].contiguous()
+    launch(NAME, v)(qq.view(-1, d), codes.contiguous().view(torch.int32), sc, idx, w, out, float(scale))
+    return indexer_scores.unpad(out, s, e)
 
 
 def example(v: Variant, rows: int, device, keys: int = 37) -> tuple:
@@ -229,13 +214,10 @@ def example(v: Variant, rows: int, device, keys: int = 37) -> tuple:
 
 
 def error_bound(q, codes, scales, rows, weights, scale, accumulate_ulps: float = 1.0) -> torch.Tensor:
-    """An elementwise bound of |kernel - reference| [S, E]: both sum dI products and nI head terms in fp32 in
-    different orders, with 3 more roundings each (the product, * scale, * weight), so each is within
-    gamma(dI + nI + 3) of the exact score relative to B = scale * sum_h |w_h| sum_d |q_hd k_ed| (the reference on
-    absolute values); twice that, times `accumulate_ulps` for adders weaker than round-to-nearest (tensor cores)."""
+    """An elementwise bound of |kernel - reference| [S, E]: `indexer_scores.summation_bound` of B = the reference on
+    absolute values (e2m1 times a power of two is exact in bf16: the products stay exact in fp32)."""
     b = reference(q.abs(), codes & 0x77, scales, rows, weights.abs(), scale)  # sign bits off: |k|
-    n = q.shape[-1] + q.shape[-2] + 3
-    return b * (2 * n * accumulate_ulps * 2.0**-24)
+    return indexer_scores.summation_bound(b, q.shape[-2], q.shape[-1], accumulate_ulps)
 
 
 OP = OpDecl(
