@@ -6,9 +6,10 @@ weights, synthetic cache and decode graphs of `benchmarks/decode.py`, a CUDA-gra
 
 Prints per point: the replay's wall time (CUDA events), the kernels per step, their summed time and the gaps
 between them (wall - summed kernel time: launch latency inside the graph), then the top kernels by time. Every
-TileLang kernel is named `kernel_kernel`, so the same step is also run eagerly with each op of the op table in a
-`record_function` range: the GPU time and kernel count of each op, and "outside ops" the PyTorch work between
-them (indexing, concatenation, cache arithmetic).
+TileLang kernel is named `kernel_kernel`: the table tells the TileLang kernels as a whole from PyTorch's (the
+indexing, concatenation and cache arithmetic between the ops, and the ops that run their PyTorch reference).
+(Attributing kernels to ops through profiler ranges around an eager step does not work here: a range's event
+appears twice, host and device, and kernels launched through TVM-FFI are not linked to the host range.)
 """
 
 from __future__ import annotations
@@ -48,44 +49,6 @@ def traced(fn, iters: int) -> tuple[dict, int]:
     return {k: [c / iters, us / iters] for k, (c, us) in table.items()}, count // iters
 
 
-def annotated(ops):
-    """The op table with each op's call inside a profiler range named `op:<name>`."""
-    from torch.profiler import record_function
-
-    from tilekernels import OpTable
-    from tilekernels.ops import DECLARED
-
-    def wrap(name, fn):
-        def call(*args, **kwargs):
-            with record_function(f"op:{name}"):
-                return fn(*args, **kwargs)
-        return call
-
-    return OpTable({name: wrap(name, getattr(ops, name)) for name in DECLARED}, DECLARED)
-
-
-def by_op(fn, iters: int) -> tuple[dict, float]:
-    """{op: [kernels, GPU us]} per call of an eager fn (the ops' ranges), and its total kernel us per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    table: dict = defaultdict(lambda: [0, 0.0])
-    total = 0.0
-    for ev in prof.events():  # the ranges' host events only: each also has a device-side twin of the same name
-        if ev.name.startswith("op:") and ev.device_type == torch.autograd.DeviceType.CPU:
-            table[ev.name[3:]][0] += 1 / iters
-            table[ev.name[3:]][1] += ev.device_time_total / iters
-        elif ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0 and not ev.name.startswith("op:"):
-            total += ev.device_time / iters
-    table["(outside ops)"] = [0, total - sum(us for _, us in table.values())]
-    return dict(table), total
-
-
 def report(label: str, wall_ms: float, table: dict, per_call: int, top: int) -> dict:
     busy = sum(us for _, us in table.values()) / 1e3
     print(f"\n## {label}: {wall_ms:.3f} ms wall, {per_call} kernels, {busy:.3f} ms in kernels, "
@@ -96,16 +59,6 @@ def report(label: str, wall_ms: float, table: dict, per_call: int, top: int) -> 
         print(f"| {name} | {calls:g} | {us:.1f} | {us / 1e3 / wall_ms:.1%} |")
     return dict(label=label, wall_ms=wall_ms, kernels=per_call, busy_ms=busy,
                 table=[dict(name=n, calls=c, us=u) for n, (c, u) in rows])
-
-
-def report_ops(table: dict, total_us: float) -> list:
-    """Print and return the eager step's GPU time per op (`by_op`)."""
-    print(f"\nthe same step run eagerly, by op: {total_us / 1e3:.3f} ms of kernels\n| op | calls | us | share |"
-          "\n|---|---|---|---|")
-    rows = sorted(table.items(), key=lambda kv: -kv[1][1])
-    for name, (calls, us) in rows:
-        print(f"| {name} | {calls:g} | {us:.1f} | {us / total_us:.1%} |")
-    return [dict(op=n, calls=c, us=u) for n, (c, u) in rows]
 
 
 def main() -> None:
@@ -130,9 +83,7 @@ def main() -> None:
     dtype = torch.bfloat16
     cfg = ModelConfig.from_model_dir(SLICE)
     weights = ModelWeights.from_tensors(cfg, random_tensors(cfg, seed=0, dtype=dtype, device="cuda"))
-    ops = kernel_table("sm90", Env.read().cache_dir)
-    model = DeepseekV4(cfg, weights, ops)
-    eager = DeepseekV4(cfg, weights, annotated(ops))
+    model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir))
     out = {"device": torch.cuda.get_device_name(), "points": []}
     for point in args.points.split(","):
         batch, context = (int(x) for x in point.split("x"))
@@ -143,10 +94,7 @@ def main() -> None:
             step = functools.partial(graphs.run, ids, pos, seqs)
             wall = cuda_ms(step, args.iters)
             table, per_call = traced(step, args.iters)
-            eager_graphs = DecodeGraphs(eager, cache, batch, None)
-            ops_table, ops_us = by_op(functools.partial(eager_graphs.run, ids, pos, seqs), 3)
         out["points"].append(report(f"decode batch {batch} at {context}", wall, table, per_call, args.top))
-        out["points"][-1]["ops"] = report_ops(ops_table, ops_us)
         del cache, graphs
         torch.cuda.empty_cache()
     if args.prefill:
@@ -165,9 +113,7 @@ def main() -> None:
         with torch.inference_mode():
             wall = cuda_ms(functools.partial(chunk, model), 3)
             table, per_call = traced(functools.partial(chunk, model), 3)
-            ops_table, ops_us = by_op(functools.partial(chunk, eager), 2)
         out["points"].append(report(f"prefill chunk of {n}", wall, table, per_call, args.top))
-        out["points"][-1]["ops"] = report_ops(ops_table, ops_us)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
