@@ -180,3 +180,14 @@ def w8a8_reference():
 
     impls.update(linear=lin, grouped_linear=grouped)
     return OpTable(impls, DECLARED)
+
+
+def within_bound(op, got: torch.Tensor, args: tuple) -> torch.Tensor:
+    """An indexer-scores op module's result against its reference and its per-score error bound
+    (`op.error_bound`); returns the reference."""
+    want = op.reference(*args)
+    assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
+    err = (got - want).abs()
+    bound = op.error_bound(*args)
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, at the bound's {(err / bound).max().item():.3g}x"
+    return want

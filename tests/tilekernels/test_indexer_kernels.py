@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from codegen.driver import record_run
+from tests import helpers
 from tilekernels.errors import ShapeError
 from tilekernels.kernels import Recorder, kernel_table, table
 from tilekernels.ops import DECLARED, indexer_scores_fp4 as isf
@@ -26,12 +27,7 @@ def ops(c_kernel_cache):
 
 
 def within_bound(got, args):
-    want = isf.reference(*args)
-    assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
-    err = (got - want).abs()
-    bound = isf.error_bound(*args)
-    assert (err <= bound).all(), f"max error {err.max().item():.3g}, at the bound's {(err / bound).max().item():.3g}x"
-    return want
+    return helpers.within_bound(isf, got, args)
 
 
 # (nI, dI, S, E): dI 64 reads the scale bytes one by one, dI 128 as int32 words; E ragged against the key tiles

@@ -14,6 +14,7 @@ import torch
 
 from codegen.driver import record_run
 from tilekernels import dtypes
+from tests import helpers
 from tilekernels.errors import ShapeError
 from tilekernels.kernels import Recorder, kernel_table, table
 from tilekernels.ops import DECLARED, indexer_scores as isc
@@ -28,11 +29,7 @@ def ops(c_kernel_cache):
 
 
 def within_bound(got, args):
-    want = isc.reference(*args)
-    assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
-    err = (got - want).abs()
-    bound = isc.error_bound(*args)
-    assert (err <= bound).all(), f"max error {err.max().item():.3g}, at the bound's {(err / bound).max().item():.3g}x"
+    want = helpers.within_bound(isc, got, args)
     atol, rtol = DECLARED[NAME].tolerance[F]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     return want

@@ -58,6 +58,38 @@ class Config:
     threads: int = 128
 
 
+def score_tile(P, threads: int, heads: int, block_q: int, block_e: int, direct: bool, tmem: bool):
+    """The tail of both indexer kernels for one (query block, key tile): the staged keys k_io into the GEMM operand
+    (unless they were written there), one GEMM keys x queries^T into the fp32 logits [key, query head] (through
+    registers from tensor memory, `tmem`), then ReLU, times scale and the query's head weight, summed over the heads
+    into the tile's scores."""
+    T = P.T
+    H, QB, BE, HE = heads, block_q, block_e, P.vec_rows(block_e)
+
+    @T.macro
+    def tile(k_io, k_op, q_op, acc, part, s_io, w_io, o_io, Out, qb0, ne, scale):
+        if not direct:
+            P.split_copy(k_io, k_op)
+        P.gemm(k_op, q_op, acc, clear_accum=True)  # logits [key, query head]
+        if tmem:
+            T.copy(acc, part)
+            T.copy(part, s_io)
+        else:
+            P.split_copy(acc, s_io)
+        with P.vector(threads):
+            sc = P.alloc_reg((HE, H), "float32")
+            red = P.alloc_reg((HE,), "float32")
+            for qb in range(QB):
+                for i, h in T.Parallel(HE, H):  # the reference's order: ReLU, * scale, * weight
+                    sc[i, h] = T.max(s_io[i, qb * H + h], 0.0) * scale * w_io[qb, h]
+                T.reduce_sum(sc, red, dim=1)
+                for i in T.Parallel(HE):
+                    o_io[qb, 0, i] = red[i]
+        P.split_copy(o_io, Out[qb0 * QB : qb0 * QB + QB, ne : ne + 1, 0:BE])
+
+    return tile
+
+
 def body(P, v: Variant, cfg: Config):
     require(v.dim % DIM_ALIGN == 0 and v.heads % HEAD_ALIGN == 0 and (v.shared or v.block_q == 1), NAME,
             f"variant {v}: heads must be a multiple of {HEAD_ALIGN}, dim of {DIM_ALIGN} (run pads), and block_q 1 "
@@ -84,7 +116,9 @@ def body(P, v: Variant, cfg: Config):
             k_op = P.alloc_operand((BE, D), dtype)
             acc = P.alloc_acc((BE, QH), "float32", operands=dtype)
             # A tensor-memory accumulator (sm_100a) reaches shared memory through registers (indexer_scores_fp4)
-            part = T.alloc_fragment((BE, QH), "float32") if acc.scope() == "shared.tmem" else None
+            tmem = acc.scope() == "shared.tmem"
+            part = T.alloc_fragment((BE, QH), "float32") if tmem else None
+            scores = score_tile(P, cfg.threads, H, QB, BE, direct, tmem)
             rid_io = P.alloc_io((1, HE), "int64")
             k_io = k_op if direct else P.alloc_io((HE, D), dtype)
             w_io = P.alloc_io((QB, H), "float32")
@@ -99,24 +133,7 @@ def body(P, v: Variant, cfg: Config):
                 with P.vector(cfg.threads):  # gather this unit's keys by storage row
                     for i, d in T.Parallel(HE, D):
                         k_io[i, d] = T.cast(Store[rid_io[0, i], d], dtype) if kdt != dtype else Store[rid_io[0, i], d]
-                if not direct:
-                    P.split_copy(k_io, k_op)
-                P.gemm(k_op, q_op, acc, clear_accum=True)  # logits [key, query head]
-                if part is None:
-                    P.split_copy(acc, s_io)
-                else:
-                    T.copy(acc, part)
-                    T.copy(part, s_io)
-                with P.vector(cfg.threads):
-                    sc = P.alloc_reg((HE, H), "float32")
-                    red = P.alloc_reg((HE,), "float32")
-                    for qb in range(QB):
-                        for i, h in T.Parallel(HE, H):  # the reference's order: ReLU, * scale, * weight
-                            sc[i, h] = T.max(s_io[i, qb * H + h], 0.0) * scale * w_io[qb, h]
-                        T.reduce_sum(sc, red, dim=1)
-                        for i in T.Parallel(HE):
-                            o_io[qb, 0, i] = red[i]
-                P.split_copy(o_io, Out[qb0 * QB : qb0 * QB + QB, ne : ne + 1, 0:BE])
+                scores(k_io, k_op, q_op, acc, part, s_io, w_io, o_io, Out, qb0, ne, scale)
 
     return kernel
 

@@ -112,7 +112,9 @@ def body(P, v: Variant, cfg: Config):
             acc = P.alloc_acc((BE, QH), "float32", operands=dtype)
             # A tensor-memory accumulator (sm_100a) reaches shared memory through registers: a plain copy of it
             # (what P.split_copy emits) lowers to stores of its TMEM addresses, not its values (no error).
-            part = T.alloc_fragment((BE, QH), "float32") if acc.scope() == "shared.tmem" else None
+            tmem = acc.scope() == "shared.tmem"
+            part = T.alloc_fragment((BE, QH), "float32") if tmem else None
+            scores = indexer_scores.score_tile(P, cfg.threads, H, QB, BE, direct, tmem)
             rid_io = P.alloc_io((1, HE), "int64")
             c_io = P.alloc_io((HE, KW), "int32")
             h_io = P.alloc_io((HE, KS), "float32")  # half scales
@@ -138,24 +140,7 @@ def body(P, v: Variant, cfg: Config):
                 with P.vector(cfg.threads):
                     for i, d in T.Parallel(HE, D):
                         k_io[i, d] = T.cast(_key_value(T, c_io[i, d // 8], h_io[i, d // GROUP], d), dtype)
-                if not direct:
-                    P.split_copy(k_io, k_op)
-                P.gemm(k_op, q_op, acc, clear_accum=True)  # logits [key, query head]
-                if part is None:
-                    P.split_copy(acc, s_io)
-                else:
-                    T.copy(acc, part)
-                    T.copy(part, s_io)
-                with P.vector(cfg.threads):
-                    sc = P.alloc_reg((HE, H), "float32")
-                    red = P.alloc_reg((HE,), "float32")
-                    for qb in range(QB):
-                        for i, h in T.Parallel(HE, H):  # the reference's order: ReLU, * scale, * weight
-                            sc[i, h] = T.max(s_io[i, qb * H + h], 0.0) * scale * w_io[qb, h]
-                        T.reduce_sum(sc, red, dim=1)
-                        for i in T.Parallel(HE):
-                            o_io[qb, 0, i] = red[i]
-                P.split_copy(o_io, Out[qb0 * QB : qb0 * QB + QB, ne : ne + 1, 0:BE])
+                scores(k_io, k_op, q_op, acc, part, s_io, w_io, o_io, Out, qb0, ne, scale)
 
     return kernel
 
