@@ -1,0 +1,1 @@
+"""Several devices: expert placement (`eplb`)."""
