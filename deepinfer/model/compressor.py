@@ -75,17 +75,19 @@ def compress_prefill(
 
 
 def compress_decode(
-    ops: OpTable, comp: Compressor, w: CompressorWeights, slots: torch.Tensor, positions: torch.Tensor,
-    blocks: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, eps: float, rope: RopeTables,
+    ops: OpTable, comp: Compressor, w: CompressorWeights, inp, rows, kv: torch.Tensor, gate: torch.Tensor,
+    eps: float, rope: RopeTables,
 ) -> None:
-    """One new token per row: kv/gate [B, width] at `positions` [B] for sequences in `slots` [B] whose block
-    tables are `blocks` [B, max_blocks]. Static shapes throughout."""
+    """One new token per row: kv/gate [B, width] at `inp.positions` [B] for sequences in `inp.slots` [B] whose block
+    tables are `inp.blocks` [B, max_blocks] (`decode.DecodeInputs`); the row arithmetic shared through `rows`
+    (`decode.StepRows`) with the step's other compressors. Static shapes throughout."""
     lay, d = comp.layout, w.kv_norm.shape[0]
-    at = lay.buffer_index(slots, positions)
+    slots, positions, blocks = inp.slots, inp.positions, inp.blocks
+    # the buffer place, whether a window closes, the entry that closes now (where one closes)
+    at, closing, entry = rows.get(("closing", lay.rate), lambda: (
+        lay.buffer_index(slots, positions), lay.closing(positions), lay.closing_entry(positions)))
     comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
     comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
-    closing = lay.closing(positions)
-    entry = lay.closing_entry(positions)  # the entry that closes now (where closing)
     chunk_kv = comp.buf_kv[slots]  # [B, rate, width]
     chunk_gate = comp.buf_gate[slots] + w.position_bias
     if comp.overlap:
@@ -98,5 +100,6 @@ def compress_decode(
         comp.ov_gate[slots] = torch.where(keep, chunk_gate[..., :d], comp.ov_gate[slots])
     else:
         slots_kv, slots_gate = chunk_kv, chunk_gate
-    entries = _pool(ops, w, slots_kv, slots_gate, entry * lay.rate, eps, rope)
-    comp.store[lay.close_rows(blocks, positions)] = entries.to(comp.store.dtype)
+    entries = _pool(ops, w, slots_kv, slots_gate, rows.get(("closing at", lay.rate), lambda: entry * lay.rate), eps,
+                    rope)
+    comp.store[rows.get(("close rows", lay), lambda: lay.close_rows(blocks, positions))] = entries.to(comp.store.dtype)

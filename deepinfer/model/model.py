@@ -16,7 +16,7 @@ from deepinfer.runtime.cache import PagedCache, SeqCache
 from deepinfer.config import HASH_MOE, SLIDING, ModelConfig
 from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
 from deepinfer.model.compressor import RopeTables
-from deepinfer.model.decode import DecodeInputs, decode_core
+from deepinfer.model.decode import DecodeInputs, StepRows, decode_core
 from deepinfer.model.moe import moe
 from deepinfer.model.rope import inv_freq
 from deepinfer.model.weights import MoE, ModelWeights
@@ -69,11 +69,12 @@ class DeepseekV4:
         """One token per row (static shapes; the caller advances token counts). Returns fp32 logits [B, V]."""
 
         rotated = inp.positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
+        rows = StepRows()  # cache rows the layers share, made once this step
 
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
             p = project(ctx, w, x, rotated)
-            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer]), rotated)
+            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated)
 
         return self._forward(inp.ids, attend, None)
 
