@@ -168,15 +168,15 @@ def lower_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("indexer-scores-kernels")
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["per-query", "shared"])
-def test_cuda_source_and_cubin_for_sm90a_and_sm100a(shared, lower_cache):
+def test_cuda_source_and_cubin_for_sm90a_and_sm100a(lower_cache):
+    """The shared-rows variant at V4 widths (tests/tilekernels/test_lowering.py lowers the per-query one)."""
     import backends
     from backends.nvidia import without_library
     from codegen import Compiler
     from tilekernels.kernels import request
 
     for name, mma in (("sm90", "wgmma"), ("sm100", "tcgen05")):
-        art = Compiler(without_library(backends.get(name)), lower_cache).get(request(NAME, NAME, V4[shared]))
+        art = Compiler(without_library(backends.get(name)), lower_cache).get(request(NAME, NAME, V4[True]))
         source = art.file("cuda").read_text()
         cubin = art.file("cubin")
         assert "__global__" in source and mma in source, f"{name}: no {mma} in the source"
@@ -185,13 +185,13 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(shared, lower_cache):
             assert "tcgen05_ld" in source
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["per-query", "shared"])
-def test_ascend_source_without_traps(shared, lower_cache):
+def test_ascend_source_without_traps(lower_cache):
+    """The shared-rows variant at V4 widths (the per-query one: tests/tilekernels/test_lowering.py)."""
     import backends
     from codegen import Compiler
     from tilekernels.kernels import request
 
-    art = Compiler(backends.get("ascend"), lower_cache).get(request(NAME, NAME, V4[shared]))
+    art = Compiler(backends.get("ascend"), lower_cache).get(request(NAME, NAME, V4[True]))
     source = art.file("ascend").read_text()
     assert "__global__" in source and "asc_" in source and "ascend_gemm_l1" in source
     assert not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source), "a 2-D launch leaked into the NPU source"
