@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tilekernels import dtypes
 from tilekernels.op import Kernel
 
 
@@ -58,8 +59,6 @@ KERNEL = Kernel("split_sum", body, configs={"default": Config(), "c": Config(blo
 
 def reduce(launch, partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """partial [split, M, ...] fp32 -> [M, ...] in `dtype`; `launch` is the `linear` op's launcher."""
-    from tilekernels import dtypes
-
     split, m = partial.shape[:2]
     out = torch.empty(partial.shape[1:], dtype=dtype, device=partial.device)
     columns = math.prod(partial.shape[2:])
