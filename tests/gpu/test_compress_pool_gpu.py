@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.conftest import built_sm90_table
 from codegen.driver import record_run
 from tilekernels import dtypes
 from tilekernels.ops import DECLARED, compress_pool
@@ -45,15 +46,7 @@ def items() -> list[tuple]:
 @pytest.fixture(scope="module")
 def ops(cuda, cache_dir):
     """The sm90 op table, compress_pool's kernels built up front in parallel."""
-    import os
-
-    from codegen.driver import build_all
-    from tilekernels.kernels import kernel_table, request
-
-    failed = [r for r in build_all("sm90", items(), request, cache_dir, jobs=min(8, os.cpu_count() or 1))
-              if r.status == "failed"]
-    assert not failed, "\n".join(f"{r.label}: {r.path}" for r in failed)
-    return kernel_table("sm90", cache_dir)
+    return built_sm90_table(items(), cache_dir)
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, equal_nan: bool = False) -> None:

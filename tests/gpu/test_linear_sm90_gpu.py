@@ -5,6 +5,7 @@ variants it leaves alone. Run with `pytest -m gpu tests/gpu/test_linear_sm90_gpu
 import pytest
 import torch
 
+from tests.gpu.conftest import built_sm90_table
 from tilekernels.ops import DECLARED, linear, linear_sm90
 
 pytestmark = pytest.mark.gpu
@@ -20,16 +21,8 @@ TOL = DECLARED["linear"].tolerance["bfloat16"]
 @pytest.fixture(scope="module")
 def ops(cuda, cache_dir):
     """The sm90 op table, its kernels built up front in parallel."""
-    import os
-
-    from codegen.driver import build_all
-    from tilekernels.kernels import kernel_table, request
-
     items = list(dict.fromkeys(("linear", "gemm", linear.variant(m, n, k)) for n, k in SHAPES for m in ROWS))
-    failed = [r for r in build_all("sm90", items, request, cache_dir, jobs=min(16, os.cpu_count() or 1))
-              if r.status == "failed"]
-    assert not failed, "\n".join(f"{r.label}: {r.path}" for r in failed)
-    return kernel_table("sm90", cache_dir)
+    return built_sm90_table(items, cache_dir)
 
 
 def inputs(m, n, k, seed=0):

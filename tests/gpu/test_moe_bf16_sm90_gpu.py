@@ -8,6 +8,7 @@ on the GPU host."""
 import pytest
 import torch
 
+from tests.gpu.conftest import built_sm90_table
 from tilekernels.ops import DECLARED, moe_bf16_sm90, moe_experts
 
 pytestmark = pytest.mark.gpu
@@ -37,15 +38,7 @@ def planned() -> list[tuple]:
 @pytest.fixture(scope="module")
 def ops(cuda, cache_dir):
     """The sm90 op table, its kernels built up front in parallel."""
-    import os
-
-    from codegen.driver import build_all
-    from tilekernels.kernels import kernel_table, request
-
-    failed = [r for r in build_all("sm90", planned(), request, cache_dir, jobs=min(16, os.cpu_count() or 1))
-              if r.status == "failed"]
-    assert not failed, "\n".join(f"{r.label}: {r.path}" for r in failed)
-    return kernel_table("sm90", cache_dir)
+    return built_sm90_table(planned(), cache_dir)
 
 
 @pytest.fixture(scope="module")
