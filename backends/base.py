@@ -79,6 +79,8 @@ class Target:
     graphs: Callable[[], Callable[..., Any]] | None = None  # graph-capture factory (None: decode runs eagerly)
     memory: Callable[[Any], tuple[int, int]] | None = None  # (free, total) bytes of a device (None: unknown)
     needs: str = ""  # what must be installed / present to run on it (for errors)
+    collectives: str = "gloo"  # the torch.distributed backend of several ranks on this target (nccl, hccl, gloo)
+    bind_device: Callable[[int], None] | None = None  # make device `local_rank` this process's own (None: CPU)
 
     @property
     def kernels(self) -> bool:

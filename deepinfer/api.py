@@ -6,26 +6,25 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence
 
 from deepinfer.assemble import EngineOptions, assemble_v4, assemble_v41, check_v41_backend, progress_bar
 from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.runtime.backend import select as select_backend
 from deepinfer.runtime.engine import Engine, RunStats
 from deepinfer.env import Env
-from deepinfer.errors import RequestError
+from deepinfer.errors import ConfigError, RequestError
+from deepinfer.parallel.config import ParallelConfig, eplb_config, launched_rank
 from deepinfer.runtime.scheduler import SchedulerConfig
-from deepinfer.serving.structured import THINK_END, Constraint, Grammars, from_so_args
+from deepinfer.serving.structured import THINK_END, Constraint, Grammars
 from deepinfer.serving.api_requests import APIError, APIRequest, convert
-from deepinfer.serving.recipe import SERVED_MODEL_NAME, EncodedPrompt, Recipe, tokenizer_path
+from deepinfer.serving.recipe import SERVED_MODEL_NAME, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
 from deepinfer.options import check_options, model_len, resolve_dtype
+from deepinfer.prompt_items import Prepared, PromptInput, conversations, expand_params, prepare, prompt_list
 
 log = logging.getLogger("deepinfer")
-
-PromptInput = Union[str, dict]
-
 
 class LLM:
     """A DeepSeek-V4 or V4.1 model ready to generate (V4.1: on the CPU reference path).
@@ -51,9 +50,21 @@ class LLM:
         show_progress: bool = False,
         quantization: str = "auto",
         async_scheduling: bool = True,
+        data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        enable_eplb: bool = False,
+        eplb_redundant_experts: int = 0,
+        eplb_step_interval: int = 1000,
     ):
+        args = {k: v for k, v in locals().items() if k in _LLM_ARGS}
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
                       gpu_memory_utilization, random_seed, quantization)
+        self.parallel = ParallelConfig(data_parallel_size, tensor_parallel_size, enable_expert_parallel)
+        eplb = eplb_config(self.parallel, enable_eplb, eplb_redundant_experts, eplb_step_interval)
+        self.last_stats: RunStats | None = None
+        self._pool = self._comm = None
+        rank = launched_rank(self.parallel) if self.parallel.world > 1 else None
         env = Env.read()
         model = model if model is not None else env.hf_model_dir
         self.model_dir = Path(model) if model is not None else None
@@ -68,6 +79,20 @@ class LLM:
         v41 = isinstance(cfg, V41Config)
         if v41:  # before the backend resolves: a target V4.1 does not run on is refused on any machine
             check_v41_backend(backend if backend is not None else env.accelerator)
+        if self.parallel.world > 1:
+            if v41:
+                raise ConfigError("data_parallel_size / tensor_parallel_size > 1 run DeepSeek-V4 only; DeepSeek-V4.1 "
+                                  "runs on one device")
+            self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
+            if rank is None:  # start one worker per rank (deepinfer's own launcher); this object drives them
+                from deepinfer.parallel.pool import RankPool
+
+                self._pool = RankPool(self.parallel, LLM, args)
+                self._description = self._pool.ready[0]
+                return
+            from deepinfer.parallel.ranks import join
+
+            self._comm = join(rank, backend, env)
         self.backend = select_backend(backend, env.cache_dir, env)
         torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         self.max_model_len = model_len(cfg, max_model_len)
@@ -82,7 +107,7 @@ class LLM:
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:
-            built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts)
+            built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts, self._comm, eplb)
         self.model, self.cache, self.weight_bytes = built.model, built.cache, built.weight_bytes
         self.memory_report, self.mtp_tensors = built.memory_report, built.mtp_tensors
         log.debug(self.memory_report)
@@ -94,7 +119,50 @@ class LLM:
         begin = time.perf_counter()
         self.engine.capture_all()  # every decode-graph bucket at start, not in the first requests' path
         log.info("deepinfer: start-up: graph capture %.2f s (every decode bucket)", time.perf_counter() - begin)
-        self.last_stats: RunStats | None = None
+
+    def describe(self) -> str:
+        """One line: the model, tokenizer, backend, cache and memory (and the ranks, on several)."""
+        if self._pool is not None:
+            return self._description
+        ops = f"TileLang kernels for {self.backend.kernel_target}" if self.backend.kernel_target else "PyTorch reference ops"
+        spec = self.cache.spec
+        line = (f"model {self.model_dir or 'tiny-random'} ({self.config.num_hidden_layers} layers, {self.model.dtype}), "
+                f"tokenizer {self.recipe.path} ({self.recipe.encoding_name} encoding), backend {self.backend.name} "
+                f"({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, max {self.engine.max_len} "
+                f"per sequence; {self.memory_report}")
+        if self._comm is not None:
+            from deepinfer.parallel.ranks import describe
+
+            line += f"; {describe(self.parallel)}, rank 0's share"
+        return line
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process reports the results: False on a launched rank other than 0 (under torchrun)."""
+        return self._comm is None or self._comm.rank.rank == 0
+
+    def close(self) -> None:
+        """Stop the rank workers (several devices) or leave the world (a launched rank); nothing on one device."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+
+    def _ranked(self, method: str, *args, **kwargs):
+        """(result, run stats) of `method` on this rank: what the process driving the ranks receives."""
+        return getattr(self, method)(*args, **kwargs), self.last_stats
+
+    def _driven(self, method: str, *args, on_output=None, on_chunk=None, **kwargs):
+        """`method` run by every rank worker (callbacks run here, once the results are in)."""
+        results, self.last_stats = self._pool.call("_ranked", method, *args, **kwargs)
+        for r in results:
+            for chunk in getattr(r, "chunks", None) or () if on_chunk is not None else ():
+                on_chunk(r.custom_id, chunk)
+            if on_output is not None:
+                on_output(r)
+        return results
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(
@@ -113,8 +181,8 @@ class LLM:
         Results come back in input order; `on_output(result)` is also called with each one as soon as it is
         final (in completion order). `errors="raise"` raises RequestError for the first invalid prompt before
         anything runs; `errors="return"` gives a RequestFailure in that prompt's place and runs the others."""
-        items = _prompt_list(prompts)
-        return self._generate(items, _expand_params(sampling_params, len(items)), use_tqdm, on_output, errors)
+        items = prompt_list(prompts)
+        return self._generate(items, expand_params(sampling_params, len(items)), use_tqdm, on_output, errors)
 
     def chat(
         self,
@@ -134,8 +202,8 @@ class LLM:
         if isinstance(messages, dict):
             return self.serve([{"api": api, "body": messages}], use_tqdm=use_tqdm, on_output=on_output)
         items = [{"messages": c, "thinking": thinking, **({"so_args": so_args} if so_args is not None else {})}
-                 for c in _conversations(messages)]
-        return self._generate(items, _expand_params(sampling_params, len(items)), use_tqdm, on_output, errors)
+                 for c in conversations(messages)]
+        return self._generate(items, expand_params(sampling_params, len(items)), use_tqdm, on_output, errors)
 
     def serve(self, lines: Sequence[dict], *, stream: bool = False, use_tqdm: bool = True,
               on_chunk: Callable[[str, dict], None] | None = None,
@@ -147,6 +215,9 @@ class LLM:
         called with each result as soon as it is final (errors first, then in completion order)."""
         if isinstance(lines, (str, bytes, dict)) or not isinstance(lines, Sequence):
             raise RequestError(f"serve() takes a list of request lines, got {type(lines).__name__}")
+        if self._pool is not None:
+            return self._driven("serve", list(lines), stream=stream, use_tqdm=use_tqdm, on_chunk=on_chunk,
+                                on_output=on_output)
         results: list[RequestOutput | APIError | None] = []
         entries: list[_Entry] = []
         for i, line in enumerate(lines):
@@ -167,6 +238,8 @@ class LLM:
     def _generate(self, items: list, params: list[SamplingParams], use_tqdm: bool, on_output, errors: str):
         if errors not in ("raise", "return"):
             raise RequestError(f"errors={errors!r} is invalid; accepted: 'raise', 'return'")
+        if self._pool is not None:
+            return self._driven("_generate", items, params, use_tqdm, None, errors, on_output=on_output)
         results: list[RequestOutput | RequestFailure | None] = [None] * len(items)
         entries: list[_Entry] = []
         for i, (item, p) in enumerate(zip(items, params)):
@@ -187,44 +260,7 @@ class LLM:
         return results
 
     def _prepare(self, item: PromptInput) -> Prepared:
-        if isinstance(item, str):
-            return Prepared(self.recipe.encode_raw(item), item)
-        if not isinstance(item, dict):
-            raise RequestError(f"a prompt must be a string or an object, got {type(item).__name__}")
-        kinds = [k for k in ("prompt", "messages", "token_ids", "prompt_token_ids") if k in item]
-        if len(kinds) != 1:
-            raise RequestError(
-                f"a prompt object needs exactly one of 'prompt', 'messages' or 'token_ids'; got keys {sorted(item)}"
-            )
-        unknown = sorted(set(item) - set(kinds) - {"thinking", "so_args", "max_reasoning_tokens"})
-        if unknown:
-            raise RequestError(f"unknown prompt key(s) {unknown}; accepted: one of prompt, messages, token_ids, and "
-                               "thinking, so_args, max_reasoning_tokens")
-        kind, thinking = kinds[0], item.get("thinking", False)
-        if not isinstance(thinking, bool):
-            raise RequestError(f"'thinking' must be true or false, got {thinking!r}")
-        budget = item.get("max_reasoning_tokens")
-        if budget is not None:
-            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-                raise RequestError(f"'max_reasoning_tokens' must be an integer >= 0, got {budget!r}")
-            if not thinking:
-                raise RequestError(f"'max_reasoning_tokens' ({budget}) needs thinking on (\"thinking\": true)")
-        if thinking and kind != "messages":
-            raise RequestError("'thinking' applies to chat prompts ('messages') only")
-        constraint = from_so_args(item["so_args"]) if item.get("so_args") is not None else None
-        if kind == "prompt":
-            if not isinstance(item["prompt"], str):
-                raise RequestError(f"'prompt' must be a string, got {type(item['prompt']).__name__}")
-            return Prepared(self.recipe.encode_raw(item["prompt"]), item["prompt"], constraint)
-        if kind == "messages":
-            messages = item["messages"]
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                raise RequestError(f"'messages' must be a non-empty list of message objects, got {_short(messages)}")
-            return Prepared(self.recipe.encode_chat(messages, thinking=thinking), None, constraint, thinking, budget)
-        ids = item[kind]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestError(f"'{kind}' must be a list of integers, got {_short(ids)}")
-        return Prepared(EncodedPrompt(list(ids), None), None, constraint)
+        return prepare(self.recipe, item)
 
     def _validate(self, ids: list[int], max_new_tokens: int, constraint: Constraint | None,
                   params: SamplingParams | None = None, thinking: bool = False, budget: int | None = None) -> None:
@@ -256,7 +292,12 @@ class LLM:
             self.grammars.compile(constraint)  # a bad schema or grammar fails before any decoding
 
     def _run(self, entries: list[_Entry], use_tqdm: bool, on_output=None) -> list[RequestOutput]:
-        if not entries:
+        comm = self._comm
+        if comm is not None:  # one rank of several: its data-parallel share; every rank's results at the end
+            from deepinfer.parallel.ranks import share
+
+            entries, use_tqdm = share(entries, comm), use_tqdm and comm.rank.rank == 0
+        elif not entries:
             return []
         now = time.perf_counter()
         requests = []
@@ -275,11 +316,27 @@ class LLM:
 
         try:
             results, stats = self.engine.run(requests, on_finish=finished)
+            drain = getattr(self.engine.steps, "drain", None)
+            if drain is not None:  # this rank is done: it still answers the others' expert exchanges
+                drain()
+            shard = getattr(self.model, "expert_shard", None)
+            if shard is not None:  # every rank (a collective)
+                stats.expert_balance, stats.expert_rebalances = shard.balance(), shard.rebalances
         finally:
             if bar is not None:
                 bar.close()
+        if comm is not None:
+            from deepinfer.parallel.ranks import gathered
+
+            results, stats = gathered(comm, results, stats)
         self.last_stats = stats
         return results
+
+
+_LLM_ARGS = ("model", "backend", "dtype", "tokenizer", "max_num_seqs", "max_prefill_tokens", "max_model_len", "num_blocks",
+             "gpu_memory_utilization", "random_seed", "show_progress", "quantization", "async_scheduling",
+             "data_parallel_size", "tensor_parallel_size", "enable_expert_parallel", "enable_eplb",
+             "eplb_redundant_experts", "eplb_step_interval")
 
 
 @dataclass(frozen=True)
@@ -289,56 +346,3 @@ class _Entry:
     params: SamplingParams
     output: Any
     custom_id: str | None
-
-
-@dataclass(frozen=True)
-class Prepared:
-    prompt: EncodedPrompt
-    text: str | None
-    constraint: Constraint | None = None
-    thinking: bool = False
-    reasoning_budget: int | None = None
-
-
-def _expand_params(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
-    if isinstance(sampling_params, (SamplingParams, dict)):
-        return [_params(sampling_params)] * n
-    if isinstance(sampling_params, (str, bytes)) or not isinstance(sampling_params, Sequence):
-        raise RequestError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of those; "
-                           f"got {type(sampling_params).__name__}")
-    params = [_params(p) for p in sampling_params]
-    if len(params) != n:
-        raise RequestError(f"got {len(params)} sampling parameter sets for {n} prompts; pass one, or one per prompt")
-    return params
-
-
-def _params(p: Any) -> SamplingParams:
-    return p if isinstance(p, SamplingParams) else SamplingParams.from_dict(p)
-
-
-def _prompt_list(prompts: Any) -> list:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
-        return list(prompts)
-    raise RequestError(f"prompts must be a string, a prompt object, or a list of those; got {_short(prompts)}")
-
-
-def _conversations(messages: Any) -> list[list[dict]]:
-    """One conversation (a list of message dicts) or several (a list of such lists)."""
-    if isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and messages:
-        if all(isinstance(m, dict) for m in messages):
-            return [list(messages)]
-        if all(isinstance(c, Sequence) and not isinstance(c, (str, bytes)) and c and
-               all(isinstance(m, dict) for m in c) for c in messages):
-            return [list(c) for c in messages]
-    raise RequestError(f"chat() takes a conversation (a non-empty list of message objects such as "
-                       f"{{'role': 'user', 'content': 'Hi'}}), a list of conversations, or a whole API request body; "
-                       f"got {_short(messages)}")
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

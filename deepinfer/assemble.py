@@ -65,12 +65,14 @@ def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, we
     hints = ["lower --max-num-seqs, --max-model-len or --num-blocks"]
     if opts.quantization == "none" and cfg.raw.get("quantization_config"):
         hints.insert(0, "keep the checkpoint's FP8/FP4 weights with --quantization auto")
-    hints.append("a model larger than one device needs several (expert parallelism: not supported yet)")
+    hints.append("split it over several devices (--data-parallel-size 2 --enable-expert-parallel)")
     fit_check(weights, cache_need, host_memory() if memory is None else memory[0], where, hints, cache_desc)
 
 
 def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtype: torch.dtype, env: Env,
-                opts: EngineOptions) -> Assembled:
+                opts: EngineOptions, comm=None, eplb=None) -> Assembled:
+    """`comm` (a `deepinfer.parallel.comm.Comm`): this process is one rank of several; it keeps its share
+    (`eplb`: an `EplbConfig` when the split experts are balanced)."""
     from deepinfer.model.model import DeepseekV4
     from deepinfer.model.weights import ModelWeights, tensor_specs
     from deepinfer.runtime.graph import DecodeGraphs
@@ -80,12 +82,20 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     # quantized checkpoint tensors stay FP8 / FP4 on every backend with `auto` (the kernels read them as stored;
     # the reference ops dequantize one tensor at a time); `none` dequantizes them at load
     keep = opts.quantization == "auto"
-    weights_size = weight_bytes(model_dir, cfg, dtype, keep) if model_dir is not None else tiny_weight_bytes(cfg, dtype)
+    placement = share = None
+    if comm is not None:  # where the routed experts go, before anything is read: a rank reads its own only
+        from deepinfer.parallel.shard import expert_placement, experts_to_read, rank_model, rank_share, take_experts
+
+        placement = expert_placement(cfg, comm, eplb)
+        share = rank_share(cfg, comm.rank, placement)
+    weights_size = (weight_bytes(model_dir, cfg, dtype, keep, share) if model_dir is not None
+                    else tiny_weight_bytes(cfg, dtype, share))
     _fit(cfg, dtype, backend, opts, weights_size, lambda spec: CacheLayout.build(cfg, spec, dtype).nbytes)
     if backend.kernel_target is not None:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
     clock = Phases()
     mtp: dict[str, Any] = {}
+    experts = None
     if model_dir is None:
         from deepinfer.tiny import random_tensors
 
@@ -96,14 +106,24 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
         bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
         # each tensor goes to the device as soon as it is read: the host holds one tensor at a time
         ckpt = load_checkpoint(model_dir, cfg, dtype, backend.device, progress=None if bar is None else bar.update,
-                               keep_quantized=keep)
+                               keep_quantized=keep,
+                               experts_of=None if placement is None else experts_to_read(placement, comm.rank.rank))
         if bar is not None:
             bar.close()
         tensors, mtp = ckpt.tensors, ckpt.mtp
         if mtp:
             log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(mtp))
     device = backend.device
-    model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, {k: v.to(device) for k, v in tensors.items()}), backend.ops)
+    if placement is not None:  # this rank's expert slots (cut here from random weights; a checkpoint's are read so)
+        gate_up, down = take_experts(tensors, cfg, placement, comm.rank.rank, whole=model_dir is None)
+        experts = ([w.to(device) for w in gate_up], [w.to(device) for w in down])
+    weights = ModelWeights.from_tensors(cfg, {k: v if getattr(v, "is_meta", False) else v.to(device)
+                                              for k, v in tensors.items()})
+    if comm is None:
+        model = DeepseekV4(cfg, weights, backend.ops)
+    else:
+        model = rank_model(cfg, weights, backend.ops, comm, placement, experts, eplb)
+    del tensors, weights
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
     ready_kernels(backend, cfg, dtype, env, opts, clock)
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
@@ -112,7 +132,12 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     report = (f"memory on {device}: weights {weights_size / GIB:.2f} GiB"
               + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB")
-    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs, backend.capture))
+    # several ranks decode eagerly for now (the decode graphs hold no collectives yet)
+    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs, backend.capture if comm is None else None))
+    if comm is not None and comm.lockstep:
+        from deepinfer.parallel.lockstep import LockstepSteps
+
+        steps = LockstepSteps(steps, model, comm)
     return Assembled(model, cache, steps, weights_size, report, mtp)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -112,6 +113,18 @@ def run() -> None:
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Prepare the next decode step on the CPU while the device runs this one (same outputs).")
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel attention ranks (each schedules its share of the requests and owns its cache).")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel ranks for the attention projections (heads split over them).")
+@click.option("--enable-expert-parallel", is_flag=True, default=False,
+              help="Split the routed experts over all ranks (data x tensor parallel), tokens exchanged per MoE layer.")
+@click.option("--enable-eplb", is_flag=True, default=False,
+              help="Balance the split experts over the ranks from the token counts recorded during the run (EPLB).")
+@click.option("--eplb-redundant-experts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="EPLB: expert slots beyond one per expert, given to replicas of the hottest experts.")
+@click.option("--eplb-step-interval", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="EPLB: forward passes between rebalances (0: the placement made at start is kept).")
 def offline(**options) -> None:
     """Generate for a batch of prompts, writing each result as soon as it finishes.
 
@@ -161,7 +174,8 @@ class _Item:
 
 def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
              max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, async_scheduling=True,
-             explicit=frozenset(), **flags) -> int:
+             data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
+             eplb_redundant_experts=0, eplb_step_interval=1000, explicit=frozenset(), **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
     from deepinfer.prompts_file import plain_line, read_lines
@@ -235,13 +249,14 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
                                             time.perf_counter() - _START)
         llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
-                  show_progress=True, quantization=quantization, async_scheduling=async_scheduling)
-        ops = f"TileLang kernels for {llm.backend.kernel_target}" if llm.backend.kernel_target else "PyTorch reference ops"
-        spec = llm.cache.spec
-        click.echo(f"deepinfer: model {model_dir or 'tiny-random'} ({llm.config.num_hidden_layers} layers, "
-                   f"{llm.model.dtype}), tokenizer {llm.recipe.path} ({llm.recipe.encoding_name} encoding), "
-                   f"backend {llm.backend.name} ({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} "
-                   f"positions, max {llm.engine.max_len} per sequence; {llm.memory_report}", err=True)
+                  show_progress=True, quantization=quantization, async_scheduling=async_scheduling,
+                  data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                  enable_expert_parallel=enable_expert_parallel, enable_eplb=enable_eplb,
+                  eplb_redundant_experts=eplb_redundant_experts, eplb_step_interval=eplb_step_interval)
+        if not llm.leads:  # a rank torchrun started, not the first: rank 0 writes the results
+            out = open(os.devnull, "w")  # noqa: SIM115 - closed below like any output
+        else:
+            click.echo(f"deepinfer: {llm.describe()}", err=True)
         if api_mode:
             failed = _serve(llm, api_lines, stream, out, bad_lines)
             n = len(api_lines) + len(bad_lines)
@@ -251,6 +266,10 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
     finally:
         if out is not sys.stdout:
             out.close()
+    leads = llm.leads
+    llm.close()
+    if not leads:
+        return 0
     _summary(llm.last_stats, n)
     if failed:
         click.echo(f"deepinfer: {failed} of {n} request(s) failed (see their error records)", err=True)
@@ -367,7 +386,9 @@ def _summary(stats, n_requests: int) -> None:
     click.echo(
         f"deepinfer: {n_requests} request(s), {stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens; "
         f"prefill {prefill_rate:.1f} tok/s, decode {decode_rate:.1f} tok/s ({stats.decode_steps} steps); "
-        f"first token {ttft:.2f} s after start" + (f"; {stats.preemptions} preemption(s)" if stats.preemptions else ""),
+        f"first token {ttft:.2f} s after start" + (f"; {stats.preemptions} preemption(s)" if stats.preemptions else "")
+        + (f"; experts max/mean per rank {stats.expert_balance:.3f} ({stats.expert_rebalances} rebalance(s))"
+           if stats.expert_balance is not None else ""),
         err=True,
     )
 

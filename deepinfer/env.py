@@ -17,6 +17,7 @@ class Env:
     accelerator: str | None  # DEEPINFER_ACCELERATOR: cpu | nvidia | ascend (build.sh; unset = detect)
     hf_model_dir: str | None  # DEEPINFER_HF_MODEL_DIR: default --model directory
     cache_dir: Path  # DEEPINFER_CACHE_DIR: compiled kernels (default ~/.cache/deepinfer/kernels)
+    dist_timeout: float = 300.0  # DEEPINFER_DIST_TIMEOUT: seconds a collective between ranks may wait
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -26,8 +27,15 @@ class Env:
             raise ConfigError(f"DEEPINFER_ACCELERATOR={accelerator!r} is not valid; accepted: {', '.join(ACCELERATORS)}")
         cache = environ.get("DEEPINFER_CACHE_DIR")
         cache_dir = Path(cache).expanduser() if cache else Path.home() / ".cache" / "deepinfer" / "kernels"
+        timeout = environ.get("DEEPINFER_DIST_TIMEOUT") or "300"
+        try:
+            dist_timeout = float(timeout)
+        except ValueError:
+            dist_timeout = -1.0
+        if not dist_timeout > 0:
+            raise ConfigError(f"DEEPINFER_DIST_TIMEOUT={timeout!r} is not valid; accepted: seconds, a number > 0")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
-                   cache_dir=cache_dir)
+                   cache_dir=cache_dir, dist_timeout=dist_timeout)
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -129,11 +129,13 @@ def fit_check(weights: int, cache: int, available: int | None, where: str, hints
                       + "; ".join(hints))
 
 
-def tiny_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """The bytes of a model made from `cfg` with every tensor at its kept dtype (no checkpoint: the tiny model)."""
+def tiny_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, share=None) -> int:
+    """The bytes of a model made from `cfg` with every tensor at its kept dtype (no checkpoint: the tiny model);
+    `share(name)`: the fraction of each tensor a rank keeps (default all)."""
     import math
 
     from deepinfer.model.weights import FP32, MODEL, tensor_specs
 
     size = {MODEL: torch.empty((), dtype=dtype).element_size(), FP32: 4}
-    return sum(math.prod(spec.shape) * size.get(spec.kind, 8) for spec in tensor_specs(cfg).values())
+    return int(sum(math.prod(spec.shape) * size.get(spec.kind, 8) * (1.0 if share is None else share(name))
+                   for name, spec in tensor_specs(cfg).items()))

@@ -101,6 +101,13 @@ def _memory(device) -> tuple[int, int]:
     return torch.npu.mem_get_info(device)
 
 
+def _bind(local_rank: int) -> None:
+    import torch
+    import torch_npu  # noqa: F401  (registers torch.npu and the hccl backend)
+
+    torch.npu.set_device(local_rank)
+
+
 ASCEND = Target(
     name="ascend",
     description="Huawei Ascend 950 (AscendC via TileLang's ascend target) - compile only here",
@@ -118,5 +125,7 @@ ASCEND = Target(
     runtime=AscendRuntime(),
     graphs=_graphs,
     memory=_memory,
+    collectives="hccl",  # never run here: no NPU and no CANN
+    bind_device=_bind,
     needs="torch_npu (pip install 'deepinfer[ascend]') and an Ascend NPU",
 )

@@ -33,6 +33,12 @@ def _memory(device) -> tuple[int, int]:
     return torch.cuda.mem_get_info(device)
 
 
+def _bind(local_rank: int) -> None:
+    import torch
+
+    torch.cuda.set_device(local_rank)
+
+
 def _target(name: str, arch: str, major: int, acc: str, description: str) -> Target:
     tvm_target = {"kind": "cuda", "arch": arch}
     return Target(
@@ -50,6 +56,8 @@ def _target(name: str, arch: str, major: int, acc: str, description: str) -> Tar
         runtime=NvidiaRuntime(tvm_target),
         graphs=_graphs,
         memory=_memory,
+        collectives="nccl",
+        bind_device=_bind,
         needs=f"an NVIDIA GPU of compute capability {major}.x that torch can see",
     )
 

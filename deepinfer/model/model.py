@@ -8,7 +8,8 @@ token per sequence with static shapes (what the runtime graph captures).
 
 from __future__ import annotations
 
-from typing import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -22,15 +23,23 @@ from deepinfer.model.rope import inv_freq
 from deepinfer.model.weights import MoE, ModelWeights
 from tilekernels import OpTable
 
+if TYPE_CHECKING:
+    from deepinfer.parallel.shard import ModelParallel
+
 
 class DeepseekV4:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, ops: OpTable):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, ops: OpTable, parallel: ModelParallel | None = None):
+        """`parallel`: this rank's share (its heads and experts, and the sums over ranks) when the model runs on
+        several; `weights` are then that share."""
         self.cfg, self.weights, self.ops = cfg, weights, ops
+        self._attention_sum = parallel.attention_sum if parallel is not None else None
+        self.expert_shard = self._experts = parallel.experts if parallel is not None else None
+        heads = parallel.attention_cfg if parallel is not None else cfg
         device = weights.embed.device
         main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device), cfg.rope_main.attention_factor)
         comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device), cfg.rope_compress.attention_factor)
         self._attn_ctx = [
-            AttentionContext(cfg, ops, i, main if kind == SLIDING else comp, comp)
+            AttentionContext(heads, ops, i, main if kind == SLIDING else comp, comp)
             for i, kind in enumerate(cfg.layer_types)
         ]
 
@@ -57,7 +66,7 @@ class DeepseekV4:
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
             p = project(ctx, w, x, rotated)
-            return finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), rotated)
+            return self._gathered(finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), rotated))
 
         logits = self._forward(ids, attend, logit_rows)
         for seq, _, length in seqs:
@@ -74,9 +83,23 @@ class DeepseekV4:
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
             p = project(ctx, w, x, rotated)
-            return finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated)
+            return self._gathered(finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated))
 
         return self._forward(inp.ids, attend, None)
+
+    def _gathered(self, attention: torch.Tensor) -> torch.Tensor:
+        """The attention output summed over the tensor-parallel ranks' heads (as is on one rank)."""
+        return attention if self._attention_sum is None else self._attention_sum(attention)
+
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """A forward pass without tokens: every layer's expert exchange with the other ranks (a data-parallel rank
+        with nothing to run while others step, under expert parallelism)."""
+        cfg, k = self.cfg, self.cfg.num_experts_per_tok
+        x = self.weights.embed.new_zeros((0, cfg.hidden_size))
+        weights, indices = x.new_zeros((0, k), dtype=torch.float32), x.new_zeros((0, k), dtype=torch.int64)
+        for layer in range(cfg.num_hidden_layers):
+            self._experts(layer, indices[:, 0], x, weights, indices, cfg.swiglu_limit)
 
     def _forward(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
                  logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -101,5 +124,6 @@ class DeepseekV4:
     def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hashed = cfg.mlp_layer_types[layer] == HASH_MOE
+        experts = None if self._experts is None else partial(self._experts, layer, input_ids)
         return moe(self.ops, w, x, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
-                   cfg.swiglu_limit, input_ids if hashed else None)
+                   cfg.swiglu_limit, input_ids if hashed else None, experts)

@@ -3,6 +3,8 @@ and the one shared expert, add."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from deepinfer.model.weights import MoE
@@ -10,12 +12,17 @@ from tilekernels import OpTable
 
 
 def moe(ops: OpTable, w: MoE, x: torch.Tensor, top_k: int, scoring: str, route_scale: float, swiglu_limit: float,
-        hash_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, H] -> [N, H]. `hash_ids` (the input token ids) route through `w.tid2eid` instead of the gate's top-k."""
+        hash_ids: torch.Tensor | None = None, experts: Callable | None = None) -> torch.Tensor:
+    """x [N, H] -> [N, H]. `hash_ids` (the input token ids) route through `w.tid2eid` instead of the gate's top-k.
+    `experts(x, weights, indices, limit)`: what runs the routed experts when they are not `w`'s (several ranks: their
+    exchange)."""
     logits = ops.linear(x, w.gate)
     hashed = hash_ids is not None
     weights, indices = ops.moe_gate(logits, top_k, scoring, route_scale, bias=None if hashed else w.bias,
                                     hash_ids=hash_ids, tid2eid=w.tid2eid if hashed else None)
-    routed = ops.moe_experts(x, weights, indices, w.gate_up, w.down, swiglu_limit)
+    if experts is None:
+        routed = ops.moe_experts(x, weights, indices, w.gate_up, w.down, swiglu_limit)
+    else:
+        routed = experts(x, weights, indices, swiglu_limit)
     shared = ops.linear(ops.swiglu(ops.linear(x, w.shared_gate_up), swiglu_limit), w.shared_down)
     return routed + shared

@@ -150,8 +150,8 @@ class MoE:
     gate: torch.Tensor
     bias: torch.Tensor | None
     tid2eid: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # the routed experts [E, 2I, H], [E, H, I]; None on a rank of several when the
+    down: torch.Tensor | None  # experts are split (`deepinfer.parallel.experts.ExpertShard` holds its share)
     shared_gate_up: torch.Tensor  # [2I, H]: the shared expert's gate and up projections stacked
     shared_down: torch.Tensor
 

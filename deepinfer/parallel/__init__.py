@@ -1,1 +1,1 @@
-"""Several devices: expert placement (`eplb`)."""
+"""Several devices: data, tensor and expert parallelism over torch.distributed, EPLB (docs/parallel.md)."""

@@ -117,6 +117,12 @@ def place(loads: torch.Tensor, num_physical: int, ranks: int, groups: int = 1, n
     return _with_inverse(phy2log, experts, ranks)
 
 
+def contiguous(layers: int, experts: int, ranks: int) -> Placement:
+    """One replica per expert, in order: rank r holds experts [r E / ranks, (r+1) E / ranks) (plain expert
+    parallelism)."""
+    return _with_inverse(torch.arange(experts).expand(layers, experts).contiguous(), experts, ranks)
+
+
 def _with_inverse(phy2log: torch.Tensor, experts: int, ranks: int) -> Placement:
     layers, slots = phy2log.shape
     replicas = torch.zeros(layers, experts, dtype=torch.long).scatter_add_(1, phy2log, torch.ones_like(phy2log))

@@ -42,6 +42,8 @@ class RunStats:
     preemptions: int = 0
     mask_seconds: float = 0.0  # structured-output masks (bitmask fill and application)
     first_token_time: float | None = None
+    expert_balance: float | None = None  # EPLB: max / mean tokens per rank, mean over the MoE layers
+    expert_rebalances: int = 0  # EPLB: placements changed during the run
 
 
 @dataclass

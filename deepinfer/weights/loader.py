@@ -121,9 +121,11 @@ _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
           "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 
 
-def weight_bytes(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, keep_quantized: bool) -> int:
+def weight_bytes(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, keep_quantized: bool,
+                 share: Callable[[str], float] | None = None) -> int:
     """The bytes the model's weights will take once loaded (quantized ones in their own precision with
-    `keep_quantized`, else at `dtype`), from the checkpoint's headers alone: nothing is read or allocated."""
+    `keep_quantized`, else at `dtype`), from the checkpoint's headers alone: nothing is read or allocated.
+    `share(name)`: the fraction of each canonical tensor a rank keeps (default all)."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     header: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -138,7 +140,7 @@ def weight_bytes(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, ke
         if t.kind == "mtp" or t.name not in specs:
             continue
         kind, (stored, shape) = specs[t.name].kind, header[key]
-        numel = math.prod(shape)
+        numel = math.prod(shape) * (1.0 if share is None else share(t.name))
         if t.scale:
             total += numel * _BYTES.get(stored, 4) if keep_quantized else 0
         elif (t.name, t.expert, t.part) in scaled:
@@ -146,6 +148,7 @@ def weight_bytes(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, ke
             total += numel * _BYTES.get(stored, 1) if keep_quantized else numel * packed * size[kind]
         else:
             total += numel * size[kind]
+    total = int(total)
     if cfg.raw.get("tie_word_embeddings") and not any(t.name == "lm_head.weight" for t in targets.values()):
         total += math.prod(specs["lm_head.weight"].shape) * size[MODEL]
     return total
@@ -158,9 +161,12 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     progress: Callable[[int], object] | None = None,
     keep_quantized: bool = False,
+    experts_of: Callable[[str], list[int]] | None = None,
 ) -> Checkpoint:
     """Read every tensor `cfg` needs from `model_dir`, cast (fp32 for norms/mHC/sinks/biases); FP8 / FP4 tensors
-    are dequantized to `dtype`, or with `keep_quantized` kept in their own precision (`BlockQuantized`)."""
+    are dequantized to `dtype`, or with `keep_quantized` kept in their own precision (`BlockQuantized`).
+    `experts_of(name)`: the routed experts of stacked tensor `name` to read, in that order (one rank's share; the
+    checkpoint must still hold every expert); default all."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     specs = tensor_specs(cfg)
@@ -185,11 +191,16 @@ def load_checkpoint(
     for name, sources in plan.items():
         spec = specs[name]
         target_dtype = torch.float32 if spec.kind == FP32 else torch.int64 if spec.kind == INT else dtype
+        chosen = None if experts_of is None or ".mlp.experts." not in name else list(experts_of(name))
         if sources[0][0].kind == "expert":
-            tensor = _stack_experts(name, spec, sources, read, target_dtype, block, ckpt, keep_quantized)
+            tensor = _stack_experts(name, spec, sources, read, target_dtype, block, ckpt, keep_quantized,
+                                    list(range(spec.shape[0])) if chosen is None else chosen)
         else:
             tensor = _one(name, sources, read, target_dtype, block, ckpt, keep_quantized)
-        check_shape(f"{name} ({sources[0][1]})", tensor.shape, spec)
+        check_shape(f"{name} ({sources[0][1]})", tensor.shape, spec if chosen is None or sources[0][0].kind != "expert"
+                    else TensorSpec((len(chosen), *spec.shape[1:]), spec.kind))
+        if chosen is not None and sources[0][0].kind != "expert":  # stored stacked: read whole, keep the chosen
+            tensor = _experts(tensor, chosen)
         ckpt.tensors[name] = tensor.to(device)
         if progress is not None:
             progress(1)
@@ -215,8 +226,17 @@ def _one(name, sources, read, dtype, block, ckpt, keep=False) -> torch.Tensor | 
     return tensor.to(dtype)
 
 
-def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt,
-                   keep=False) -> torch.Tensor | BlockQuantized:
+def _experts(w, chosen: list[int]):
+    """Experts `chosen` of a stacked tensor (plain or block-quantized), copied."""
+    index = torch.tensor(chosen)
+    if isinstance(w, BlockQuantized):
+        return BlockQuantized(w.values[index].contiguous(), w.scales[index].contiguous(), w.block, w.format)
+    return w[index].contiguous()
+
+
+def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt, keep,
+                   chosen: list[int]) -> torch.Tensor | BlockQuantized:
+    """Experts `chosen` of `name`, stacked in that order."""
     n_experts, rows, _ = spec.shape
     parts: dict[tuple[int, str], dict[str, str]] = {}
     for target, key in sources:
@@ -232,19 +252,22 @@ def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt,
         raise WeightsError(f"the checkpoint lacks {len(lacking)} expert weight(s) of {name}, e.g. expert {lacking[0]}")
     half = rows // 2
     expect = {"gate": (half, spec.shape[2]), "up": (half, spec.shape[2]), "down": tuple(spec.shape[1:])}
+    parts = {(e, p): parts[(e, p)] for e in chosen for p in (("down",) if name.endswith("down_proj") else ("gate", "up"))}
     if keep and all("scale" in keys for keys in parts.values()):
-        stacked = _stack_quantized(name, parts, read, block, ckpt, expect)
+        stacked = _stack_quantized(name, parts, read, block, ckpt, expect, chosen)
         if stacked is not None:
             return stacked
-    out = torch.empty(spec.shape, dtype=dtype)
-    for (expert, part), keys in sorted(parts.items()):
+    out = torch.empty((len(chosen), *spec.shape[1:]), dtype=dtype)
+    slot = {e: i for i, e in enumerate(chosen)}
+    for (expert, part), keys in parts.items():
         tensor = read(keys["value"])
         if "scale" in keys:
             ckpt.quantized += 1
             tensor = dequantize(keys["value"], tensor, read(keys["scale"]), dtype, block)
         elif is_quantized(tensor):
             raise WeightsError(f"tensor {keys['value']} is quantized ({tensor.dtype}) but has no scale tensor")
-        dest = {"gate": out[expert, :half], "up": out[expert, half:], "down": out[expert]}[part]
+        i = slot[expert]
+        dest = {"gate": out[i, :half], "up": out[i, half:], "down": out[i]}[part]
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightsError(
                 f"tensor {keys['value']} has shape {list(tensor.shape)}, but expert {part} weights of this config "
@@ -254,12 +277,11 @@ def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt,
     return out
 
 
-def _stack_quantized(name, parts, read, block, ckpt, expect) -> BlockQuantized | None:
+def _stack_quantized(name, parts, read, block, ckpt, expect, experts: list[int]) -> BlockQuantized | None:
     """Every expert's part kept quantized and stacked [E, rows, ...] (gate over up), each part written straight
     into the stacked values and scales as it is read (no second copy of the experts); None when the parts differ
     in format, block or dtypes, or gate and up cannot be joined on a block boundary (then they are dequantized)."""
     order = ("down",) if name.endswith("down_proj") else ("gate", "up")
-    experts = sorted({e for e, _ in parts})
     first = values = scales = None
     for i, expert in enumerate(experts):
         row = scale_row = 0

@@ -1,0 +1,134 @@
+"""One rank's share of a DeepSeek-V4 model: its attention heads (tensor parallelism) and routed experts (expert
+parallelism), cut from the whole model's weights, and the hooks the forward pass calls (`ModelParallel`).
+
+Tensor parallelism splits each attention layer by output group: rank t of T keeps heads [t H/T, (t+1) H/T) of
+`q_b_proj` and `sinks`, groups [t G/T, (t+1) G/T) of `o_a_proj` and the matching input columns of `o_b_proj`, so
+its attention output is a partial sum over its groups that the tensor-parallel group adds up. Everything else
+(the shared KV head and its cache, compressors, indexer, mHC, norms, the shared expert, the gate) is whole on
+every rank. Block-quantized weights are cut on their scale-block grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from deepinfer.config import ModelConfig
+from deepinfer.errors import ConfigError
+from deepinfer.model.weights import ModelWeights
+from deepinfer.parallel.comm import Comm
+from deepinfer.parallel.config import Rank
+from deepinfer.parallel.eplb import Placement
+from deepinfer.parallel.experts import EplbConfig, ExpertShard, initial_placement, rows, slot_experts
+from tilekernels import OpTable
+from tilekernels.quant import BlockQuantized
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """What the forward pass of one rank does differently."""
+
+    attention_cfg: ModelConfig  # this rank's heads and output groups
+    attention_sum: Callable[[torch.Tensor], torch.Tensor] | None  # adds the attention output over the group
+    experts: ExpertShard | None  # the routed experts over the ranks (None: all on this rank)
+
+
+def expert_placement(cfg: ModelConfig, comm: Comm, eplb_cfg: EplbConfig | None) -> Placement | None:
+    """Where the routed experts start (None: every rank holds all of them)."""
+    if not comm.rank.parallel.enable_expert_parallel:
+        return None
+    return initial_placement(cfg.num_hidden_layers, cfg.n_routed_experts, comm.rank.parallel.world, eplb_cfg)
+
+
+def experts_to_read(placement: Placement, rank: int) -> Callable[[str], list[int]]:
+    """For the checkpoint loader: the experts of stacked tensor `layers.<i>.mlp.experts.*` this rank's slots hold."""
+    return lambda name: slot_experts(placement, rank, int(name.split(".")[1]))
+
+
+TP_CUT = (".self_attn.q_b_proj.", ".self_attn.o_a_proj.", ".self_attn.o_b_proj.", ".self_attn.sinks")
+
+
+def rank_share(cfg: ModelConfig, rank: Rank, placement: Placement | None) -> Callable[[str], float]:
+    """The fraction of each canonical tensor this rank keeps (for the weight bytes and the fit check)."""
+    tp = rank.parallel.tensor_parallel_size
+    experts = 1.0 if placement is None else placement.slots_per_rank / cfg.n_routed_experts
+
+    def share(name: str) -> float:
+        if ".mlp.experts." in name:
+            return experts
+        return 1.0 / tp if any(part in name + "." for part in TP_CUT) else 1.0
+
+    return share
+
+
+def take_experts(tensors: dict, cfg: ModelConfig, placement: Placement, rank: int, whole: bool) -> tuple[list, list]:
+    """Every layer's routed-expert weights of this rank's slots, popped out of `tensors` (`whole`: the tensors hold
+    every expert, else already this rank's slots); a meta tensor of the whole shape stays for the shape checks."""
+    gate_up, down = [], []
+    for i in range(cfg.num_hidden_layers):
+        for name, out in ((f"layers.{i}.mlp.experts.gate_up_proj", gate_up), (f"layers.{i}.mlp.experts.down_proj", down)):
+            w = tensors[name]
+            if whole:
+                w = rows(w, torch.tensor(slot_experts(placement, rank, i)))
+            out.append(w)
+            tensors[name] = torch.empty((cfg.n_routed_experts, *w.shape[1:]), device="meta")  # logical shape
+    return gate_up, down
+
+
+def rank_model(cfg: ModelConfig, weights: ModelWeights, ops: OpTable, comm: Comm, placement: Placement | None,
+               experts: tuple[list, list] | None, eplb_cfg: EplbConfig | None = None):
+    """This rank's `DeepseekV4`: its share of the model's `weights` (`experts`: its slots' weights under
+    `placement`, when the experts are split) and the sums over ranks."""
+    from deepinfer.model.model import DeepseekV4
+
+    rank = comm.rank
+    p = rank.parallel
+    p.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
+    shard = None if placement is None else ExpertShard(ops, comm, placement, experts[0], experts[1], eplb_cfg)
+    hooks = ModelParallel(local_config(cfg, rank), comm.tp_sum if p.tensor_parallel_size > 1 else None, shard)
+    return DeepseekV4(cfg, shard_weights(weights, cfg, rank), ops, hooks)
+
+
+def local_config(cfg: ModelConfig, rank: Rank) -> ModelConfig:
+    """`cfg` with this rank's attention heads and output groups."""
+    tp = rank.parallel.tensor_parallel_size
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp, o_groups=cfg.o_groups // tp)
+
+
+def shard_weights(weights: ModelWeights, cfg: ModelConfig, rank: Rank) -> ModelWeights:
+    """This rank's attention heads of the whole model's `weights`, without the routed experts when they are split
+    (`ExpertShard` holds this rank's)."""
+    tp, t = rank.parallel.tensor_parallel_size, rank.tp_rank
+    heads, groups = cfg.num_attention_heads // tp, cfg.o_groups // tp
+    layers = []
+    for i, layer in enumerate(weights.layers):
+        a, m = layer.attn, layer.moe
+        d, r = cfg.head_dim, cfg.o_lora_rank
+        attn = a if tp == 1 else dataclasses.replace(
+            a,
+            sinks=a.sinks[t * heads:(t + 1) * heads].contiguous(),
+            q_b_proj=cut(a.q_b_proj, -2, t * heads * d, heads * d, f"layers.{i}.self_attn.q_b_proj"),
+            o_a_proj=cut(a.o_a_proj, -2, t * groups * r, groups * r, f"layers.{i}.self_attn.o_a_proj"),
+            o_b_proj=cut(a.o_b_proj, -1, t * groups * r, groups * r, f"layers.{i}.self_attn.o_b_proj"),
+        )
+        moe = dataclasses.replace(m, gate_up=None, down=None) if rank.parallel.enable_expert_parallel else m
+        layers.append(dataclasses.replace(layer, attn=attn, moe=moe))
+    return dataclasses.replace(weights, layers=tuple(layers))
+
+
+def cut(w, dim: int, start: int, length: int, name: str):
+    """w[start : start + length] along `dim` (-2: rows, -1: columns), a copy; a block-quantized weight
+    keeps its format, cut on its scale grid (ConfigError naming the tensor when the cut falls inside a block)."""
+    if not isinstance(w, BlockQuantized):
+        return w.narrow(dim, start, length).contiguous()
+    block = w.block[dim]
+    if start % block or length % block:
+        raise ConfigError(f"tensor {name}: a tensor-parallel share of {length} {'rows' if dim == -2 else 'columns'} "
+                          f"at {start} does not fall on its {w.block[0]}x{w.block[1]} scale blocks; choose a "
+                          "tensor_parallel_size whose shares are whole blocks")
+    per_byte = 2 if w.format == "fp4" and dim == -1 else 1
+    values = w.values.narrow(dim, start // per_byte, length // per_byte).contiguous()
+    return BlockQuantized(values, w.scales.narrow(dim, start // block, length // block).contiguous(), w.block, w.format)

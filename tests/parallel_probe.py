@@ -1,0 +1,63 @@
+"""What the parallel tests run on each rank (importable by the spawned rank workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.api import LLM
+from deepinfer.runtime.graph import DecodeGraphs
+
+SIZES = dict(backend="reference", num_blocks=64, max_num_seqs=4)
+
+
+class Probe:
+    """An `LLM` (one rank's, or the whole model's) whose forward passes the tests drive directly."""
+
+    def __init__(self, **kwargs):
+        self.llm = LLM(**SIZES, **kwargs)
+
+    def describe(self) -> str:
+        return self.llm.describe()
+
+    def logits(self, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+        """fp32 logits of each prompt's prefill rows, then of `steps` greedy decode steps, prompt by prompt. On
+        several ranks, data-parallel rank d runs prompts d, d + dp, ... (as many on every rank: the forwards meet)."""
+        llm = self.llm
+        comm = llm._comm
+        dp, d = (comm.dp, comm.rank.dp_rank) if comm is not None else (1, 0)
+        mine = prompts[d::dp]
+        out = []
+        for ids in mine:
+            seq = llm.cache.admit()
+            llm.cache.grow(seq, len(ids))
+            rows = [llm.model.prefill(llm.cache, torch.tensor(ids), torch.arange(len(ids)), [(seq, 0, len(ids))])]
+            graphs = DecodeGraphs(llm.model, llm.cache, 1, None)
+            for _ in range(steps):
+                llm.cache.grow(seq, seq.num_tokens + 1)
+                token = int(rows[-1][-1].argmax())
+                rows.append(graphs.run([token], [seq.num_tokens], [seq]))
+                seq.num_tokens += 1
+            llm.cache.release(seq)
+            out.append(torch.cat(rows))
+        if comm is None:
+            return out
+        parts = comm.gather_objects(out)[:: comm.tp]  # data-parallel rank d's prompts d, d + dp, ...
+        return [parts[i % dp][i // dp] for i in range(len(prompts))]
+
+    def expert_shapes(self) -> list[int]:
+        """The experts this rank holds, per layer and weight (gate_up, down)."""
+        shard = self.llm.model.expert_shard
+        return [w.shape[0] for pair in zip(shard.gate_up, shard.down) for w in pair]
+
+    def generate(self, prompts, params):
+        return self.llm.generate(prompts, params, use_tqdm=False), self.llm.last_stats
+
+    def fail_on(self, rank: int, message: str) -> None:
+        """Rank `rank` raises; the others wait for it in a collective."""
+        if self.llm._comm.rank.rank == rank:
+            raise ValueError(message)
+        dist.barrier()
+
+    def close(self) -> None:
+        self.llm.close()
