@@ -132,7 +132,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     report = (f"memory on {device}: weights {weights_size / GIB:.2f} GiB"
               + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB")
-    # several ranks decode eagerly for now (the decode graphs hold no collectives yet)
+    # several ranks decode eagerly on the device until the NCCL capture has run on two GPUs (docs/parallel.md)
     steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs, backend.capture if comm is None else None))
     if comm is not None and comm.lockstep:
         from deepinfer.parallel.lockstep import LockstepSteps

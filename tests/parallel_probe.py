@@ -53,6 +53,16 @@ class Probe:
     def generate(self, prompts, params):
         return self.llm.generate(prompts, params, use_tqdm=False), self.llm.last_stats
 
+    def emulate_graphs(self) -> int:
+        """Decode through graphs captured (emulated on the CPU: recorded once, replayed) at start, every rank at
+        once; the buckets captured."""
+        from tests.test_engine import EmulatedCapture
+
+        capture = EmulatedCapture()
+        self.llm.engine.graphs = DecodeGraphs(self.llm.model, self.llm.cache, SIZES["max_num_seqs"], capture)
+        self.llm.engine.capture_all()
+        return capture.captures
+
     def fail_on(self, rank: int, message: str) -> None:
         """Rank `rank` raises; the others wait for it in a collective."""
         if self.llm._comm.rank.rank == rank:

@@ -194,3 +194,21 @@ def test_a_quantized_checkpoint_split_over_ranks_reads_each_rank_its_experts(spe
         assert [o.token_ids for o in got] == want
     finally:
         pool.close()
+
+
+def test_data_parallel_ranks_decode_through_graphs_with_the_exchange_inside():
+    """Two data-parallel ranks, experts split, decode graphs captured at start (emulated on the CPU: recorded once
+    and replayed, so the exchange inside runs with the bucket's static shapes): ranks decoding together run the
+    bucket of the most rows, a rank with less pads, an idle rank replays padding only, steps where a rank prefills
+    run eagerly; the one-process tokens."""
+    prompts = [{"token_ids": [5 + i, 17, 300 + 7 * i, 42, 8][: 2 + i % 4]} for i in range(7)]
+    params = [SamplingParams(temperature=0, max_new_tokens=2 + 3 * (i % 3)) for i in range(7)]
+    want = [o.token_ids for o in LLM(**SIZES).generate(prompts, params, use_tqdm=False)]
+    kwargs = dict(data_parallel_size=2, enable_expert_parallel=True)
+    pool = RankPool(ParallelConfig(**kwargs), Probe, kwargs)
+    try:
+        assert pool.call("emulate_graphs") == 6  # buckets 1, 2, 4: each step and its sampler
+        got, stats = pool.call("generate", prompts, params)
+        assert [o.token_ids for o in got] == want
+    finally:
+        pool.close()

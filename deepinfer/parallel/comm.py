@@ -81,6 +81,12 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return bool(t.item())
 
+    def agree(self, active: bool, prefill: bool, rows: int) -> tuple[bool, bool, int]:
+        """Before a forward: (does any rank step, does any rank prefill, the most decode rows of a rank)."""
+        t = torch.tensor([int(active), int(prefill), rows], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(t[0]), bool(t[1]), int(t[2])
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (picklable), in rank order, on every rank."""
         out: list[Any] = [None] * self.rank.parallel.world

@@ -69,6 +69,7 @@ class ExpertShard:
         self._place_tables()
         self.gate_up, self.down = list(gate_up), list(down)
         self.forwards = self.rebalances = 0
+        self.static = False  # every data-parallel rank brings the same rows (a decode bucket): no size exchange
 
     def __call__(self, layer: int, ids: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
                  indices: torch.Tensor, limit: float) -> torch.Tensor:
@@ -82,7 +83,7 @@ class ExpertShard:
             self.loads[layer].index_add_(0, indices.reshape(-1), torch.ones_like(indices.reshape(-1)))
         start, rows = 0, n
         if comm.dp > 1:
-            rows = max(comm.dp_sizes(n))
+            rows = n if self.static else max(comm.dp_sizes(n))
             start = comm.rank.dp_rank * rows
             x, weights, indices, ids = (comm.dp_gather(_pad(t, rows)) for t in (x, weights, indices, ids))
         count = self._replicas[layer][indices]

@@ -1,23 +1,42 @@
 """Data-parallel ranks whose MoE layers exchange tokens (expert parallelism) must run their forward passes
 together: every forward of any rank meets one forward on every other rank. `LockstepSteps` wraps a rank's
-`ModelSteps`: before each forward the ranks agree that some rank steps (a host all-reduce on the control group);
-a rank with nothing left (`drain`, at the end of its run) keeps answering, with an idle forward (the layers'
-exchanges, no tokens) while any other rank still steps, and returns once no rank does.
+`V4Steps`: before each forward the ranks agree (a host all-reduce on the control group) whether some rank steps,
+whether some rank prefills, and the most decode rows of any rank.
+
+- Some rank prefills: every rank's forward is eager and the exchange carries each rank's row count (decoding
+  ranks decode eagerly, idle ranks run an idle forward: the layers' exchanges without tokens).
+- Every stepping rank decodes: they all run the decode bucket that holds the most rows of any rank, from its
+  graph where the steps capture (the exchange inside has that bucket's rows on every rank: static shapes, so it
+  is captured with the step); idle ranks run the same bucket with only padding rows.
+
+A rank with nothing left (`drain`, at the end of its run) keeps answering until no rank steps.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+import torch
+
 from deepinfer.model.model import DeepseekV4
 from deepinfer.parallel.comm import Comm
-from deepinfer.runtime.steps import ModelSteps
+from deepinfer.runtime.steps import V4Steps
 
 
 class LockstepSteps:
-    def __init__(self, steps: ModelSteps, model: DeepseekV4, comm: Comm):
+    def __init__(self, steps: V4Steps, model: DeepseekV4, comm: Comm):
         self.steps, self.model, self.comm = steps, model, comm
         self.vocab_size, self.eos_token_ids = steps.vocab_size, steps.eos_token_ids
         self.max_positions, self.device = steps.max_positions, steps.device
         self.idle_steps = 0  # forwards this rank ran without tokens (others stepped)
+
+    @property
+    def graphs(self):
+        return self.steps.graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.steps.graphs = graphs
 
     @property
     def capture(self):
@@ -28,18 +47,43 @@ class LockstepSteps:
         return self.steps.last_logits
 
     def capture_all(self):
-        return self.steps.capture_all()
+        with self._static():  # every bucket's exchange with its own rows (the same bucket on every rank)
+            return self.steps.capture_all()
 
     def prefill(self, ids, positions, seqs, logit_rows):
-        self.comm.any_rank(True)
+        self.comm.agree(True, True, 0)
         return self.steps.prefill(ids, positions, seqs, logit_rows)
 
     def decode(self, ids, positions, seqs):
-        self.comm.any_rank(True)
-        return self.steps.decode(ids, positions, seqs)
+        _, mixed, rows = self.comm.agree(True, False, len(seqs))
+        if mixed:
+            logits = self.steps.graphs.run(ids, positions, seqs, eager=True)
+        else:
+            with self._static():
+                logits = self.steps.graphs.run(ids, positions, seqs, rows=rows)
+        for s in seqs:
+            s.num_tokens += 1
+        return logits
 
+    @torch.inference_mode()
     def drain(self) -> None:
         """Idle forwards while any other rank still steps; returns when every rank has drained."""
-        while self.comm.any_rank(False):
-            self.model.idle()
+        while True:
+            active, mixed, rows = self.comm.agree(False, False, 0)
+            if not active:
+                return
+            if mixed:
+                self.model.idle()
+            else:
+                with self._static():
+                    self.steps.graphs.run([], [], [], rows=rows)
             self.idle_steps += 1
+
+    @contextmanager
+    def _static(self):
+        shard = self.model.expert_shard
+        shard.static = True
+        try:
+            yield
+        finally:
+            shard.static = False

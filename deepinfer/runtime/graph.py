@@ -91,14 +91,16 @@ class DecodeGraphs:
             self._graphs[size] = bucket
         return self._graphs[size]
 
-    def run(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
-        """fp32 logits [n, V] of one decode step for n sequences; `ids` host ints or `DeviceIds`."""
+    def run(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache], rows: int = 0,
+            eager: bool = False) -> torch.Tensor:
+        """fp32 logits [n, V] of one decode step for n sequences; `ids` host ints or `DeviceIds`. `rows`: run in a
+        bucket of at least that many rows (ranks stepping together); `eager`: not from its graph."""
         n = len(positions)
-        bucket = self._static(self.bucket(n))
+        bucket = self._static(self.bucket(max(n, rows, 1)))
         size = bucket.inputs.ids.shape[0]
         take_ids(ids, bucket.stage.send(stage_rows(ids, positions, [s.slot for s in seqs], size,
                                                    self.cache.scratch_slot)))
-        if bucket.replay is None:
+        if bucket.replay is None or eager:
             return self._step(bucket.inputs)[:n]
         bucket.replay()
         self.last_logits = bucket.logits
