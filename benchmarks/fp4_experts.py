@@ -43,7 +43,21 @@ CANDIDATES = {
     "bn128": {"block_n": 128, "threads": 256, "stages": 3, "min_blocks": 2},
     "bk128": {"block_k": 128, "stages": 6},
     "ws": {"warp_specialized": True, "min_blocks": 2},
+    # moe_fp4_sm90: weights/exponents K-permuted once (moe_fp4.repack_for), 16-byte loads, word-wide decode
+    "kperm": {"decode": "kperm"},  # two bf16x2 multiplies per pair: any exponent byte 1..254
+    "kperm1": {"decode": "kperm1"},  # one multiply: exponent bytes <= 128 (repack checks)
+    "kperm1_mb4": {"decode": "kperm1", "stages": 3, "min_blocks": 4},
+    "kperm1_bk512": {"decode": "kperm1", "block_k": 512, "stages": 2},
+    # two warpgroups (128 weight rows) share each activation tile: half the activation reads per weight byte
+    "kperm1_bn128": {"decode": "kperm1", "block_n": 128, "threads": 256, "stages": 3, "min_blocks": 2},
+    "kperm1_bn128_s4": {"decode": "kperm1", "block_n": 128, "threads": 256, "stages": 4, "min_blocks": 2},
 }
+
+
+def tune_of(candidate: str):
+    from tilekernels.ops import moe_fp4
+
+    return moe_fp4.Tune(**{**moe_fp4.TUNE.__dict__, **CANDIDATES[candidate]})
 
 
 def make_request(op: str, kernel: str, variant):
@@ -56,7 +70,7 @@ def make_request(op: str, kernel: str, variant):
 
     if "@" not in kernel:
         return request(op, kernel, variant)
-    tune = moe_fp4.Tune(**{**moe_fp4.TUNE.__dict__, **CANDIDATES[kernel.split("@")[1]]})
+    tune = tune_of(kernel.split("@")[1])
     return Request(op, kernel, variant, lambda t: moe_fp4.body_decode(Facade(t.traits), variant, None, tune),
                    lambda t: tune.pass_configs)
 
@@ -89,7 +103,7 @@ def copy_bandwidth() -> float:
 class Gemm:
     """One expert GEMM's operands at one token count, in the expert-major layout of tile `bm`."""
 
-    def __init__(self, idx, x, weights, bm: int, fp4: bool):
+    def __init__(self, idx, x, weights, bm: int, fp4: bool, kernel_weights=None):
         from tilekernels.ops import moe_experts
 
         n = weights[0].shape[1]
@@ -99,11 +113,12 @@ class Gemm:
         self.a = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
         self.a[self.dest] = x[token_of]
         self.c = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
-        self.weights, self.fp4, self.bm = weights, fp4, bm
+        self.weights, self.fp4, self.bm = weights, fp4, bm  # the reference's operands
+        self.kernel_weights = kernel_weights or weights  # the kernel's (a repacked layout for some candidates)
         self.experts = idx.reshape(-1)
 
     def args(self):
-        return (self.a, *self.weights, self.tiles, self.c)
+        return (self.a, *self.kernel_weights, self.tiles, self.c)
 
     def error(self, max_experts: int = 64) -> float:
         """max |kernel - reference| / max |reference| over the rows of (at most max_experts, drawn at random)
@@ -179,6 +194,17 @@ def main() -> None:
              for g, (n, k) in GEMMS.items()}
     bf16_w = {g: (torch.randn(E, n, k, dtype=torch.bfloat16, device=dev) / k**0.5,) for g, (n, k) in GEMMS.items()}
 
+    repacked = {}  # (gemm, candidate's layout) -> the kernel's weight operands
+
+    def kernel_weights(g, kernel):
+        if "@" not in kernel or not tune_of(kernel.split("@")[1]).repacked:
+            return None
+        tune = tune_of(kernel.split("@")[1])
+        key = (g, tune.block_k, tune.decode)
+        if key not in repacked:
+            repacked[key] = moe_fp4.repack_for(tune, *fp4_w[g])
+        return repacked[key]
+
     rows = []
     for t in tokens:
         x = torch.randn(t, H, device=dev).to(torch.bfloat16)
@@ -193,7 +219,7 @@ def main() -> None:
                     fn = load(kernel, v)
                     if fn is None:
                         raise RuntimeError(f"build failed: {failed[(kernel, v.n, v.k)]}")
-                    gm = Gemm(idx, xg, w, bm, kind == "fp4")
+                    gm = Gemm(idx, xg, w, bm, kind == "fp4", kernel_weights(g, kernel) if kind == "fp4" else None)
                     fn(*gm.args())
                     torch.cuda.synchronize()
                     rel = gm.error()
@@ -242,7 +268,8 @@ def main() -> None:
     if best:
         pick = min(best, key=best.get)
         print(f"\ntotal us over all rows (correct candidates): {best}\nfastest correct: {pick} = "
-              f"moe_fp4.Tune(**{ {**moe_fp4.TUNE.__dict__, **CANDIDATES[pick]} })")
+              f"moe_fp4.Tune(**{ {**moe_fp4.TUNE.__dict__, **CANDIDATES[pick]} })"
+              + (" (repacked weights: moe_fp4.repack_for at load)" if tune_of(pick).repacked else ""))
     result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "copy_GBps": round(copy_gbs, 1), "tolerance": TOL, "default_tune": moe_fp4.TUNE.__dict__,
               "candidates": CANDIDATES, "rows": rows, "op_rows": op_rows, "total_us_by_candidate": best,

@@ -29,6 +29,27 @@ CONFIGS = {  # label: linear_fp8.Config fields (r: warpgroups split the tile by 
     "128x256 s3 t256 r": dict(block_m=128, block_n=256, stages=3, threads=256, full_rows=True),
     "192x128 s4 t384 r": dict(block_m=192, block_n=128, stages=4, threads=384, full_rows=True),
     "64x128 s4 t128": dict(block_m=64, block_n=128, stages=4, threads=128),
+    # linear_fp8_sm90 (x2: the tile's N in two 128-column slices, each its own wgmma and promotion)
+    "128x256 s3 t256 r x2": dict(block_m=128, block_n=256, stages=3, threads=256, full_rows=True, slices=2),
+    "128x256 s4 t256 r x2": dict(block_m=128, block_n=256, stages=4, threads=256, full_rows=True, slices=2),
+    # linear_fp8_sm90 (ws: own producer/consumer mbarriers, each K block's wgmma in flight while the previous one
+    # is promoted, in unrolled chains of c K blocks; p132: a persistent grid of 132 programs)
+    "128x128 s4 t256 r ws c4": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True, chain=4),
+    "128x128 s4 t256 r ws c8": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True, chain=8),
+    "128x128 s6 t256 r ws c8": dict(block_m=128, block_n=128, stages=6, threads=256, full_rows=True, ws=True, chain=8),
+    "128x128 s4 t256 r ws c8 p132": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
+                                         chain=8, programs=132),
+    "128x128 s4 t256 r ws c4 p132": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
+                                         chain=4, programs=132),
+    # ... cl2: clusters of two CTAs along N, the A tile multicast to both (a third less L2 -> SM traffic)
+    "128x128 s4 t256 r ws c8 cl2": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
+                                        chain=8, cluster=2),
+    "128x128 s4 t256 r ws c4 cl2": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
+                                        chain=4, cluster=2),
+    "128x128 s4 t256 r ws c8 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
+                                             ws=True, chain=8, cluster=2, programs=128),  # 64 pairs surely resident
+    "128x128 s4 t256 r ws c4 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
+                                             ws=True, chain=4, cluster=2, programs=128),
 }
 SHAPES = [("q_b", 32768, 1024, 1), ("q_a", 1024, 4096, 1), ("o_b", 4096, 8192, 1), ("shared gate_up", 4096, 4096, 1),
           ("shared down", 4096, 2048, 1), ("o_a (8 groups)", 1024, 4096, 8)]
@@ -147,8 +168,9 @@ def main() -> None:
                 row["configs"].append({"config": label, "failed": str(exc).splitlines()[-1][:200]})
                 print(f"  {label}: failed: {str(exc).splitlines()[-1][:160]}", flush=True)
         results.append(row)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1))
+        if args.json:  # after every shape: a variant that hangs (new synchronisation) loses no earlier results
+            Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results},
+                                                  indent=1))
 
 
 if __name__ == "__main__":

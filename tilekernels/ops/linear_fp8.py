@@ -47,6 +47,11 @@ class Config:
     narrow_block_n: int = 64
     min_block_n: int = 16
     full_rows: bool = False  # NVIDIA: warpgroups split the tile by rows (each wgmma block_n wide)
+    slices: int = 0  # sm90: >0 selects linear_fp8_sm90's body, the tile's N cut into this many scale-block slices
+    ws: bool = False  # sm90: linear_fp8_sm90's explicitly warp-specialised body (two K blocks' wgmmas in flight)
+    programs: int = 0  # ws: a persistent grid of this many programs (0: one program per tile)
+    chain: int = 4  # ws: K blocks per unrolled chain of overlapped wgmmas (drained between chains)
+    cluster: int = 0  # ws: 2 = CTA pairs along N, the shared A tile loaded once and multicast to both
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -178,7 +183,12 @@ def body(P, v: Variant, cfg: Config):
 def body_native(P, v: Variant, cfg: Config):
     """NVIDIA targets with FP8 tensor cores: the byte tensors viewed as e4m3, TMA-fed shared tiles, the FP8 MMA
     (wgmma on sm90; tcgen05 into tensor memory on sm100, read back to registers) into a fresh accumulator per
-    scale block, promoted into the fp32 sum with the row and column scales."""
+    scale block, promoted into the fp32 sum with the row and column scales. Configs with `slices` or `ws` take
+    the sm90-only (wgmma) variants of `linear_fp8_sm90`."""
+    if cfg.slices or cfg.ws:
+        from tilekernels.ops import linear_fp8_sm90
+
+        return linear_fp8_sm90.body(P, v, cfg)
     T = P.T
     BM, BN, NT, BK, KT, KB, out_dtype, threads = _geometry(v, cfg)
     G, SK, K, N = v.groups, v.split_k, v.k, v.n
@@ -240,7 +250,9 @@ def body_native(P, v: Variant, cfg: Config):
 
 KERNEL = Kernel("gemm_fp8", body, configs={
     "default": Config(),
-    "sm90": Config(block_m=128, block_n=128, stages=4, threads=256, full_rows=True),  # benchmarks/tune_fp8.py
+    # benchmarks/tune_fp8.py: 128x256 tiles promoted per 128-column slice at prefill rows (decode and split-K
+    # variants keep the 128x128 kernel's geometry)
+    "sm90": Config(block_m=128, block_n=256, stages=3, threads=256, full_rows=True, slices=2),
     "sm100": Config(block_m=128, block_n=128, stages=0, threads=128, min_block_n=64, narrow_block_n=64),
     "ascend": Config(block_m=64, block_n=256, stages=0, threads=128, narrow_block_n=256),  # see docs/kernels.md
     "c": Config(block_m=16, block_n=16, stages=0, threads=1, narrow_threads=1, narrow_block_n=16),

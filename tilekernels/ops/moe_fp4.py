@@ -36,7 +36,9 @@ class Tune:
     """Tile shape of the sm_90a decode kernel: `block_n` weight rows per CTA (64 per warpgroup of 128 threads),
     `block_k` input features per pipeline step (a multiple of 32), `stages` copies in flight, the decoder:
     "pair" (both codes of a byte to bf16x2: two integer multiplies, two masks, two bf16x2 multiplies) or "half"
-    (one value at a time through fp16 and fp32), and how the copies run (TMA producer warps or cp.async)."""
+    (one value at a time through fp16 and fp32), and how the copies run (TMA producer warps or cp.async).
+    "kperm" / "kperm1" (candidates, `moe_fp4_sm90`): weights and exponents repacked once (`repack_for`) so that
+    each thread decodes 16-byte vectors, with two / one bf16x2 multiplies per pair (kperm1: exponents <= 128)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -47,10 +49,16 @@ class Tune:
     min_blocks: int = 3  # CTAs per SM the registers must allow (__launch_bounds__)
 
     @property
+    def repacked(self) -> bool:
+        """Whether the kernel takes `repack_for`'s K-permuted weights instead of the plain ones."""
+        return self.decode in KPERM
+
+    @property
     def pass_configs(self) -> dict:
         return {} if self.warp_specialized else {"tl.disable_warp_specialized": True}
 
 
+KPERM = ("kperm", "kperm1")  # decoders of moe_fp4_sm90's kernel (repacked weights)
 TUNE = Tune()  # the default (from the sweep of benchmarks/fp4_experts.py)
 # Prefill sizes (64-row tiles, wgmma n64): the same kernel with a shallower K step and one stage less, so that
 # three CTAs' staging (64-row activation tiles, ~60 KB each) still fit an SM. The portable body it replaced took
@@ -60,6 +68,16 @@ PREFILL_TUNE = Tune(block_k=128, stages=3)
 
 def tune_for(block_m: int) -> Tune:
     return TUNE if block_m <= 16 else PREFILL_TUNE
+
+
+def repack_for(tune: Tune, values, scales) -> tuple:
+    """The weight operands the kernel of `tune` takes: (values, scales) unchanged, or K-permuted once."""
+    if not tune.repacked:
+        return values, scales
+    from tilekernels.ops import moe_fp4_sm90
+
+    return moe_fp4_sm90.repack(values, scales, tune)
+
 
 # Two e2m1 codes (one byte b, low nibble first) -> two bf16 (low half first), times 2^(e-127). b * 0x00040040
 # puts the low code's magnitude bits at 6-8 and the high code's at 22-24, b * 0x01001000 the sign bits at 15 and
@@ -88,6 +106,10 @@ def body_decode(P, v, cfg=None, tune: Tune | None = None):
     from tilelang.layout import make_swizzled_layout
 
     tune = tune or tune_for(v.block_m)
+    if tune.repacked:
+        from tilekernels.ops import moe_fp4_sm90
+
+        return moe_fp4_sm90.body(P, v, cfg, tune)
     T = P.T
     N, K, E, BM, dtype = v.n, v.k, v.experts, v.block_m, v.dtype
     SB = FP4_BLOCK[1]
