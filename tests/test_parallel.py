@@ -212,3 +212,25 @@ def test_data_parallel_ranks_decode_through_graphs_with_the_exchange_inside():
         assert [o.token_ids for o in got] == want
     finally:
         pool.close()
+
+
+def test_a_script_without_a_main_guard_starts_ranks(tmp_path):
+    """The rank workers are fresh `python -m` processes: the caller's script is not re-run in them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from deepinfer import LLM\n"
+        "from deepinfer.runtime.sampling import SamplingParams\n"
+        "llm = LLM(backend='reference', num_blocks=64, max_num_seqs=4, data_parallel_size=2)\n"
+        "outs = llm.generate([{'token_ids': [5, 6, 7]}, {'token_ids': [9, 9]}], SamplingParams(temperature=0,"
+        " max_new_tokens=3), use_tqdm=False)\n"
+        "print('TOKENS', [o.token_ids for o in outs])\n"
+        "llm.close()\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = LLM(**SIZES).generate([{"token_ids": [5, 6, 7]}, {"token_ids": [9, 9]}],
+                                 SamplingParams(temperature=0, max_new_tokens=3), use_tqdm=False)
+    assert proc.stdout.count("TOKENS") == 1 and str([o.token_ids for o in want]) in proc.stdout
