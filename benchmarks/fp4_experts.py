@@ -1,9 +1,14 @@
 """FP4 routed-expert GEMMs of one V4-Flash layer (256 experts, hidden 4096, intermediate 2048, top 6) at decode
-sizes on the H200: a small sweep of the sm_90a decode kernel (tilekernels/ops/moe_fp4.py) against the PyTorch
-reference and the bf16 grouped GEMM, in GB/s of the weight bytes the batch touches and as a fraction of the
-copy bandwidth measured here.
+and prefill sizes on the H200: a small sweep of the sm_90a FP4 kernel (tilekernels/ops/moe_fp4.py, on the plain
+or the K-permuted layout of moe_fp4_sm90) against the PyTorch reference and the bf16 grouped GEMM, in GB/s of the
+weight bytes the batch touches and as a fraction of the copy bandwidth measured here.
 
     python benchmarks/fp4_experts.py [--tokens 1,8,64] [--only default,half] [--jobs 8] [--iters 40]
+    python benchmarks/fp4_experts.py --tokens 256,4096 --only default,p_kperm1_s2_mb2,p_kperm1_s3_mb1,...
+
+Each token count runs the op's variant for it (`moe_experts.variant`: 16-row tiles up to DECODE_TOKENS tokens,
+64-row tiles above, as the engine); a candidate's tile is its change to the engine's tile of that height
+(moe_fp4.TUNE / PREFILL_TUNE), so "default" is today's kernel at either size.
 
 Kernels are compiled on this host (nvcc, `--jobs` worker processes) into DEEPINFER_CACHE_DIR, as the engine
 does. Per token count and GEMM (gate_up: N=4096, K=4096; down: N=4096, K=2048), with random top-6 routing:
@@ -51,13 +56,28 @@ CANDIDATES = {
     # two warpgroups (128 weight rows) share each activation tile: half the activation reads per weight byte
     "kperm1_bn128": {"decode": "kperm1", "block_n": 128, "threads": 256, "stages": 3, "min_blocks": 2},
     "kperm1_bn128_s4": {"decode": "kperm1", "block_n": 128, "threads": 256, "stages": 4, "min_blocks": 2},
+    # 64-row tiles (prefill token counts) on the repacked layout (block_k 256, as the decode tile's): 32 KB of
+    # activations + 8 KB of weights a stage; against "default" there (moe_fp4.PREFILL_TUNE, plain layout)
+    "p_kperm1_s2_mb2": {"decode": "kperm1", "block_k": 256, "stages": 2, "min_blocks": 2},
+    "p_kperm1_s3_mb1": {"decode": "kperm1", "block_k": 256, "stages": 3, "min_blocks": 1},
+    "p_kperm_s2_mb2": {"decode": "kperm", "block_k": 256, "stages": 2, "min_blocks": 2},
+    "p_kperm_s3_mb1": {"decode": "kperm", "block_k": 256, "stages": 3, "min_blocks": 1},
+    "p_kperm1_bn128_s2": {"decode": "kperm1", "block_n": 128, "threads": 256, "block_k": 256, "stages": 2,
+                          "min_blocks": 1},
+    # what the engine runs with moe_fp4.REPACKED (moe_fp4.kperm_tune: KPERM_TUNE / KPERM_PREFILL_TUNE, "kperm1")
+    "engine_kperm1": "kperm_tune",
 }
+DECODE_ONLY = ("kperm1_mb4",)  # candidates whose tile cannot fit 64-row tiles (skipped at prefill sizes)
 
 
-def tune_of(candidate: str):
+def tune_of(candidate: str, block_m: int):
+    """The tile of `candidate` for `block_m`-row tiles: its changes to the engine's tile for that size
+    (moe_fp4.TUNE at decode, moe_fp4.PREFILL_TUNE at prefill sizes)."""
     from tilekernels.ops import moe_fp4
 
-    return moe_fp4.Tune(**{**moe_fp4.TUNE.__dict__, **CANDIDATES[candidate]})
+    if CANDIDATES[candidate] == "kperm_tune":
+        return moe_fp4.kperm_tune(block_m, "kperm1")
+    return moe_fp4.Tune(**{**moe_fp4.tune_for(block_m).__dict__, **CANDIDATES[candidate]})
 
 
 def make_request(op: str, kernel: str, variant):
@@ -70,7 +90,7 @@ def make_request(op: str, kernel: str, variant):
 
     if "@" not in kernel:
         return request(op, kernel, variant)
-    tune = tune_of(kernel.split("@")[1])
+    tune = tune_of(kernel.split("@")[1], variant.block_m)
     return Request(op, kernel, variant, lambda t: moe_fp4.body_decode(Facade(t.traits), variant, None, tune),
                    lambda t: tune.pass_configs)
 
@@ -166,22 +186,28 @@ def main() -> None:
     cache = Env.read().cache_dir
     t0 = time.perf_counter()
 
-    # Build everything first, in parallel worker processes.
-    fp4_v = {g: moe_experts.variant(n, k, E, "bfloat16", fp4=True, tokens=1) for g, (n, k) in GEMMS.items()}
-    bf16_v = {g: moe_experts.variant(n, k, E, "bfloat16") for g, (n, k) in GEMMS.items()}
-    items = [(OP, f"grouped_gemm_fp4@{c}", fp4_v[g]) for c in names for g in GEMMS]
+    # Build everything first, in parallel worker processes. The variants are the op's at each token count
+    # (moe_experts.variant: 16-row tiles up to DECODE_TOKENS tokens, 64-row ones above), as the engine runs them.
+    sizes = sorted({moe_experts.variant(1, 32, E, "bfloat16", fp4=True, tokens=t).block_m for t in tokens})
+    fp4_v = {(g, bm): moe_experts.Variant(n, k, E, "bfloat16", bm, True) for g, (n, k) in GEMMS.items() for bm in sizes}
+    bf16_v = {g: moe_experts.variant(n, k, E, "bfloat16") for g, (n, k) in GEMMS.items()}  # 64-row tiles, as before
+
+    def runs(c, bm) -> bool:
+        return not (bm > moe_experts.DECODE_BLOCK_M and c in DECODE_ONLY)
+
+    items = [(OP, f"grouped_gemm_fp4@{c}", fp4_v[g, bm]) for c in names for g in GEMMS for bm in sizes if runs(c, bm)]
     items += [(OP, "grouped_gemm", bf16_v[g]) for g in GEMMS]
-    items += [] if args.no_op else [(OP, "grouped_gemm_fp4", fp4_v[g]) for g in GEMMS]  # what the op launches
+    items += [] if args.no_op else [(OP, "grouped_gemm_fp4", fp4_v[key]) for key in fp4_v]  # what the op launches
     built = build_all("sm90", items, "benchmarks.fp4_experts:make_request", cache, jobs=args.jobs)
-    failed = {(r.kernel, r.variant["n"], r.variant["k"]): r.notes.get("error", r.path) for r in built
-              if r.status == "failed"}
+    failed = {(r.kernel, r.variant["n"], r.variant["k"], r.variant["block_m"]): r.notes.get("error", r.path)
+              for r in built if r.status == "failed"}
     for key, why in failed.items():
         print(f"BUILD FAILED {key}: {why}", flush=True)
     print(f"built {len(items)} kernels in {time.perf_counter() - t0:.0f} s", flush=True)
     compiler = Compiler(backends.get("sm90"), cache)
 
     def load(kernel, v):
-        return None if (kernel, v.n, v.k) in failed else compiler.load(make_request(OP, kernel, v))
+        return None if (kernel, v.n, v.k, v.block_m) in failed else compiler.load(make_request(OP, kernel, v))
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -196,10 +222,10 @@ def main() -> None:
 
     repacked = {}  # (gemm, candidate's layout) -> the kernel's weight operands
 
-    def kernel_weights(g, kernel):
-        if "@" not in kernel or not tune_of(kernel.split("@")[1]).repacked:
+    def kernel_weights(g, kernel, bm):
+        if "@" not in kernel or not tune_of(kernel.split("@")[1], bm).repacked:
             return None
-        tune = tune_of(kernel.split("@")[1])
+        tune = tune_of(kernel.split("@")[1], bm)
         key = (g, tune.block_k, tune.decode)
         if key not in repacked:
             repacked[key] = moe_fp4.repack_for(tune, *fp4_w[g])
@@ -211,15 +237,17 @@ def main() -> None:
         idx = torch.rand(t, E, device=dev).topk(TOP, dim=-1).indices
         for g, (n, k) in GEMMS.items():
             xg = x if k == H else torch.randn(t, k, device=dev).to(torch.bfloat16)
-            for kind, kernel, v, w, bm in ([("fp4", f"grouped_gemm_fp4@{c}", fp4_v[g], fp4_w[g], fp4_v[g].block_m)
-                                            for c in names] +
-                                           [("bf16", "grouped_gemm", bf16_v[g], bf16_w[g], bf16_v[g].block_m)]):
-                row = {"tokens": t, "gemm": g, "n": n, "k": k, "kernel": kernel, "block_m": bm}
+            bm = moe_experts.variant(n, k, E, "bfloat16", fp4=True, tokens=t).block_m
+            for kind, kernel, v, w in ([("fp4", f"grouped_gemm_fp4@{c}", fp4_v[g, bm], fp4_w[g])
+                                        for c in names if runs(c, bm)] +
+                                       [("bf16", "grouped_gemm", bf16_v[g], bf16_w[g])]):
+                row = {"tokens": t, "gemm": g, "n": n, "k": k, "kernel": kernel, "block_m": v.block_m}
                 try:
                     fn = load(kernel, v)
                     if fn is None:
-                        raise RuntimeError(f"build failed: {failed[(kernel, v.n, v.k)]}")
-                    gm = Gemm(idx, xg, w, bm, kind == "fp4", kernel_weights(g, kernel) if kind == "fp4" else None)
+                        raise RuntimeError(f"build failed: {failed[(kernel, v.n, v.k, v.block_m)]}")
+                    kw = kernel_weights(g, kernel, bm) if kind == "fp4" else None
+                    gm = Gemm(idx, xg, w, v.block_m, kind == "fp4", kw)
                     fn(*gm.args())
                     torch.cuda.synchronize()
                     rel = gm.error()
@@ -237,13 +265,16 @@ def main() -> None:
     if not args.no_op:  # the whole op as the engine runs it (default decode tile, layout, SwiGLU, combine)
         ops = kernel_table("sm90", cache)
         q = {g: BlockQuantized(fp4_w[g][0], fp4_w[g][1], FP4_BLOCK, "fp4") for g in GEMMS}
+        saved, moe_fp4.REPACKED = moe_fp4.REPACKED, True  # the op on the layout the switch gives (kperm1 here)
+        qr = {g: moe_experts.kernel_layout(w, backends.get("sm90")) for g, w in q.items()}
+        moe_fp4.REPACKED = saved
         for t in tokens:
             x = torch.randn(t, H, device=dev).to(torch.bfloat16)
             idx = torch.rand(t, E, device=dev).topk(TOP, dim=-1).indices
             wts = torch.softmax(torch.randn(t, TOP, device=dev), -1)
             row = {"tokens": t}
-            for kind, (up, down) in (("fp4", (q["gate_up"], q["down"])), ("bf16", (bf16_w["gate_up"][0],
-                                                                                    bf16_w["down"][0]))):
+            for kind, (up, down) in (("fp4", (q["gate_up"], q["down"])), ("fp4_repacked", (qr["gate_up"], qr["down"])),
+                                     ("bf16", (bf16_w["gate_up"][0], bf16_w["down"][0]))):
                 try:
                     ms = timed(lambda x=x, wts=wts, idx=idx, up=up, down=down: ops.moe_experts(x, wts, idx, up, down, 10.0),
                                flush, args.iters)
@@ -260,19 +291,22 @@ def main() -> None:
         else:
             print(f"{r['tokens']:>6} {r['gemm']:>8} {r['kernel']:>26} {r['rel_err']:>8.2g}{'' if r['ok'] else '!'}"
                   f" {r['us']:>9.1f} {r['GBps']:>8.0f} {r['of_copy']:>8.1%}")
-    best = {}
-    for c in names:
-        mine = [r for r in rows if r["kernel"] == f"grouped_gemm_fp4@{c}"]
-        if mine and all(r.get("ok") for r in mine):
-            best[c] = round(sum(r["us"] for r in mine), 1)
-    if best:
-        pick = min(best, key=best.get)
-        print(f"\ntotal us over all rows (correct candidates): {best}\nfastest correct: {pick} = "
-              f"moe_fp4.Tune(**{ {**moe_fp4.TUNE.__dict__, **CANDIDATES[pick]} })"
-              + (" (repacked weights: moe_fp4.repack_for at load)" if tune_of(pick).repacked else ""))
+    best = {}  # per tile height: the candidates correct at every token count of that height, summed us
+    for bm in sizes:
+        for c in names:
+            mine = [r for r in rows if r["kernel"] == f"grouped_gemm_fp4@{c}" and r["block_m"] == bm]
+            if mine and all(r.get("ok") for r in mine):
+                best.setdefault(str(bm), {})[c] = round(sum(r["us"] for r in mine), 1)
+    for bm, totals in best.items():
+        pick = min(totals, key=totals.get)
+        tune = tune_of(pick, int(bm))
+        print(f"\n{bm}-row tiles: total us over their rows (correct candidates): {totals}\nfastest correct: {pick} = "
+              f"{tune}" + (" (repacked weights: moe_fp4.KPERM_TUNE / KPERM_PREFILL_TUNE with moe_fp4.REPACKED)"
+                           if tune.repacked else ""))
     result = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
               "copy_GBps": round(copy_gbs, 1), "tolerance": TOL, "default_tune": moe_fp4.TUNE.__dict__,
-              "candidates": CANDIDATES, "rows": rows, "op_rows": op_rows, "total_us_by_candidate": best,
+              "prefill_tune": moe_fp4.PREFILL_TUNE.__dict__,
+              "candidates": CANDIDATES, "rows": rows, "op_rows": op_rows, "total_us_by_block_m_and_candidate": best,
               "seconds": round(time.perf_counter() - t0, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

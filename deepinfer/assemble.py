@@ -114,9 +114,13 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
         if mtp:
             log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(mtp))
     device = backend.device
+    layout = kernel_layout(backend)
     if placement is not None:  # this rank's expert slots (cut here from random weights; a checkpoint's are read so)
         gate_up, down = take_experts(tensors, cfg, placement, comm.rank.rank, whole=model_dir is None)
-        experts = ([w.to(device) for w in gate_up], [w.to(device) for w in down])
+        experts = ([layout(w.to(device)) for w in gate_up], [layout(w.to(device)) for w in down])
+    else:  # routed experts in the layout the target's kernels read (one tensor at a time: the plain one is freed)
+        for name in [n for n in tensors if ".mlp.experts." in n]:
+            tensors[name] = layout(tensors[name].to(device))
     weights = ModelWeights.from_tensors(cfg, {k: v if getattr(v, "is_meta", False) else v.to(device)
                                               for k, v in tensors.items()})
     if comm is None:
@@ -139,6 +143,16 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
 
         steps = LockstepSteps(steps, model, comm)
     return Assembled(model, cache, steps, weights_size, report, mtp)
+
+
+def kernel_layout(backend: Backend):
+    """w -> w in the layout `backend`'s expert kernels read (FP4 experts K-permuted for sm_90a's kernels; anything
+    else as it is)."""
+    if backend.kernel_target is None:
+        return lambda w: w
+    from tilekernels.ops.moe_experts import kernel_layout as layout
+
+    return lambda w: layout(w, backend.target)
 
 
 def check_v41_backend(name: str | None) -> None:

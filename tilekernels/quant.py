@@ -56,10 +56,23 @@ def grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
     return -(-rows // block[0]), -(-cols // block[1])
 
 
+class LayoutError(ValueError):
+    """A block-quantized weight in a kernel's own layout (K-permuted FP4) read as if it were plain."""
+
+
+KPERM_WORDS = torch.int32  # the dtype of K-permuted FP4 values: (..., N, K/8) words (`layout`)
+
+
 @dataclass(frozen=True)
 class BlockQuantized:
     """A weight [..., N, K] in a block-scaled format: `values` (fp8 [..., N, K] or packed fp4 uint8
-    [..., N, K/2]), `scales` [..., ceil(N/block[0]), ceil(K/block[1])] (fp32 or ue8m0)."""
+    [..., N, K/2]), `scales` [..., ceil(N/block[0]), ceil(K/block[1])] (fp32 or ue8m0).
+
+    FP4 experts may also be held in the K-permuted layout of the sm_90a kernel (`moe_fp4_sm90.repack`, chosen by
+    `moe_experts.kernel_layout`): values int32 words [..., N, K/8], scales their exponent bytes permuted, as int32
+    words [..., N, K/128] ("kperm1": every exponent byte <= 128) or as bytes [..., N, K/32] ("kperm"). The layout
+    is told by the tensors' dtypes (`layout`), so any copy of them keeps it; `dequantize` refuses it (`plain()`
+    un-permutes)."""
 
     values: torch.Tensor
     scales: torch.Tensor
@@ -71,14 +84,17 @@ class BlockQuantized:
             raise ValueError(f"format {self.format!r} is not one of {FORMATS}")
         rows, cols = self.shape[-2:]
         want = tuple(self.values.shape[:-2]) + grid(rows, cols, self.block)
-        if tuple(self.scales.shape) != want:
+        have = tuple(self.scales.shape)
+        if self.values.dtype == KPERM_WORDS and self.scales.dtype == KPERM_WORDS:  # exponent bytes as words
+            have = have[:-1] + (4 * have[-1],)
+        if have != want:
             raise ValueError(f"scales {list(self.scales.shape)} do not match the {self.block[0]}x{self.block[1]} "
                              f"block grid {list(want)} of a {rows}x{cols} weight")
 
     @property
     def shape(self) -> torch.Size:
         """The logical (dequantized) shape."""
-        k = self.values.shape[-1] * (2 if self.format == "fp4" else 1)
+        k = self.values.shape[-1] * ((8 if self.values.dtype == KPERM_WORDS else 2) if self.format == "fp4" else 1)
         return torch.Size((*self.values.shape[:-1], k))
 
     @property
@@ -92,8 +108,29 @@ class BlockQuantized:
     def dim(self) -> int:
         return len(self.shape)
 
+    @property
+    def layout(self) -> str:
+        """"plain", or the K-permuted FP4 layout with the decoder its exponents allow: "kperm" / "kperm1"."""
+        if self.format != "fp4" or self.values.dtype != KPERM_WORDS:
+            return "plain"
+        return "kperm1" if self.scales.dtype == KPERM_WORDS else "kperm"
+
+    def plain(self) -> BlockQuantized:
+        """The same weight in the plain layout (K-permuted FP4 un-permuted, exactly; a plain one as it is)."""
+        if self.layout == "plain":
+            return self
+        from tilekernels.ops import moe_fp4_sm90
+
+        lead = self.values.shape[:-2]
+        values, scales = moe_fp4_sm90.unpermute(self.values.reshape(-1, *self.values.shape[-2:]),
+                                                self.scales.reshape(-1, *self.scales.shape[-2:]))
+        return BlockQuantized(values.reshape(*lead, *values.shape[-2:]), scales.reshape(*lead, *scales.shape[-2:]),
+                              self.block, self.format)
+
     def with_exponent_bytes(self) -> BlockQuantized:
         """The same tensor with its power-of-two scales as ue8m0 exponent bytes (the form kernels read)."""
+        if self.layout != "plain":
+            return self
         return BlockQuantized(self.values, exponent_bytes(self.scales), self.block, self.format)
 
     def to(self, device: torch.device | str) -> BlockQuantized:
@@ -104,6 +141,9 @@ class BlockQuantized:
         return BlockQuantized(self.values[index], self.scales[index], self.block, self.format)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.layout != "plain":
+            raise LayoutError(f"a {list(self.shape)} FP4 weight in the K-permuted layout {self.layout!r} cannot be "
+                              f"dequantized as plain; un-permute it first (.plain())")
         rows, cols = self.shape[-2:]
         codes = self.values.to(torch.float32) if self.format == "fp8" else unpack_fp4(self.values)
         full = scale_to_float(self.scales).repeat_interleave(self.block[0], dim=-2).repeat_interleave(self.block[1], dim=-1)

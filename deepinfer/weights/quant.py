@@ -67,7 +67,8 @@ def as_quantized(name: str, weight: torch.Tensor, scale: torch.Tensor,
 
 def for_kernels(name: str, q: BlockQuantized) -> BlockQuantized:
     """A quantized tensor kept for the kernels: FP4 scales as the exponent bytes the FP4 kernels read (fp32 ones
-    converted once, at load, not per call); those must be powers of two."""
+    converted once, at load, not per call); those must be powers of two. (With `moe_fp4.REPACKED`, stacked FP4
+    experts are then K-permuted as they reach a device whose kernels read that layout: `BlockQuantized.to`.)"""
     if q.format != "fp4" or is_exponent_bytes(q.scales):
         return q
     mantissa, _ = torch.frexp(q.scales)

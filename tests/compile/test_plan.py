@@ -84,5 +84,9 @@ def test_plan_covers_the_v4_flash_config_at_any_batch(dtype, quantized):
 
 def test_the_two_checkpoint_kinds_use_every_declared_kernel():
     used = {(op, kernel) for q in (False, True) for op, kernel, _ in kernel_plan(flash_config(q), "bfloat16")}
-    assert used == {(name, k.name) for name, op in DECLARED.items() for k in op.kernels if name not in V41_OPS}
+    # the exact K-permuted FP4 decoder serves only checkpoints with an FP4 scale above 2 (known once the weights
+    # are read: built at first use); the plan lists the one-multiply decoder real checkpoints take
+    data_dependent = {("moe_experts", "grouped_gemm_fp4_kperm")}
+    assert used == {(name, k.name) for name, op in DECLARED.items() for k in op.kernels
+                    if name not in V41_OPS} - data_dependent
     assert not any(k == "gemm_fp8" for _, k, _ in kernel_plan(flash_config(True), "bfloat16", quantized=False))

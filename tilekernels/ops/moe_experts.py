@@ -7,8 +7,9 @@ gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and t
 back per token. FP4 and bf16 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
 the bf16 ones run the swapped-operand weight-streaming kernel of `moe_bf16_sm90`. On sm_90a every
 FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
-registers; 64-row tiles at prefill sizes), on sm_100a the block-scaled MMA kernel of `moe_fp4_sm100` (built,
-never run); elsewhere the portable body below.
+registers; 64-row tiles at prefill sizes; with `moe_fp4.REPACKED`, on the K-permuted layout of `moe_fp4_sm90`,
+which the weights then take at load: `kernel_layout`, `BlockQuantized.to`), on sm_100a the block-scaled MMA
+kernel of `moe_fp4_sm100` (built, never run); elsewhere the portable body below.
 
 Any N and K: tiles keep their configured sizes and are launched ceil-div; the weight is a 3-D (E, N, K) tensor
 and the rows (MT*BM, K) / outputs (MT*BM, N) are 2-D, so every ragged edge is a tensor edge that TileLang
@@ -21,8 +22,22 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
-from tilekernels.ops import linear, moe_bf16_sm90, moe_fp4, moe_fp4_sm100, swiglu
-from tilekernels.quant import FP4_BLOCK, BlockQuantized, dense, exponent_bytes, quantize
+from tilekernels.ops import (
+    linear,
+    moe_bf16_sm90,
+    moe_fp4,
+    moe_fp4_sm90,
+    moe_fp4_sm100,
+    swiglu,
+)
+from tilekernels.quant import (
+    FP4_BLOCK,
+    BlockQuantized,
+    dense,
+    exponent_bytes,
+    is_exponent_bytes,
+    quantize,
+)
 
 
 def reference(
@@ -162,6 +177,24 @@ KERNEL_FP4 = Kernel("grouped_gemm_fp4", body_fp4, overrides=(
     "ascend": Config(block_n=128, block_k=64, stages=0, threads=128),
     "c": Config(block_n=16, block_k=32, stages=0, threads=1),
 })
+# Routed FP4 experts in the K-permuted layout (`moe_fp4.REPACKED`): one kernel per decoder ("kperm": any exponent,
+# "kperm1": exponent bytes <= 128), the decode and the 64-row tiles of `moe_fp4.kperm_tune`. A target whose
+# kernel has the K-permuted body reads the layout (and repacks at load: `kernel_layout`); on the others these names
+# build what grouped_gemm_fp4 builds there (the compile plan lists them; never launched: the weights stay plain).
+
+
+def _fits_kperm(v: Variant) -> bool:
+    return v.dtype == "bfloat16" and v.n % 64 == 0 and v.k % moe_fp4.KPERM_BLOCK_K == 0
+
+
+def _kperm_body(decode: str):
+    return lambda P, v, cfg: moe_fp4_sm90.body(P, v, cfg, moe_fp4.kperm_tune(v.block_m, decode))
+
+
+KPERM_BODIES = {d: _kperm_body(d) for d in moe_fp4.KPERM}
+KERNELS_KPERM = {d: Kernel(f"grouped_gemm_fp4_{d}", body_fp4, overrides=(
+    Override("sm90", _fits_kperm, KPERM_BODIES[d]), *KERNEL_FP4.overrides), configs=KERNEL_FP4.configs)
+    for d in moe_fp4.KPERM}
 # bf16 decode variants (16-row tiles) on sm_90a: the swapped-operand weight-streaming kernel of moe_bf16_sm90 (its
 # own tile, TileLang's default warp-specialised TMA pipeline: no pass config, so the 64-row variants' portable body
 # is built exactly as before); every other target and variant: the portable body.
@@ -236,11 +269,46 @@ def _describe(w) -> str:
 
 
 def _operands(w) -> tuple:
-    """A plain weight, or FP4 bytes and their ue8m0 exponent bytes (as uint8)."""
+    """A plain weight, or FP4 bytes and their ue8m0 exponent bytes (as uint8); K-permuted FP4 as int32 words."""
     if not isinstance(w, BlockQuantized):
         return (w.contiguous(),)
+    if w.layout != "plain":
+        return w.values.contiguous(), w.scales.contiguous().view(torch.int32)
     scales = exponent_bytes(w.scales)  # a view: loading converts fp32 power-of-two scales to bytes once
     return w.values.contiguous(), scales.contiguous()
+
+
+def _fp4_kernel(w: BlockQuantized) -> str:
+    return "grouped_gemm_fp4" if w.layout == "plain" else KERNELS_KPERM[w.layout].name
+
+
+def kperm_fits(w) -> bool:
+    """Whether `w` is a stack of FP4 experts [E, N, K] (exponent-byte scales) that the K-permuted layout can hold."""
+    return (isinstance(w, BlockQuantized) and w.format == "fp4" and w.block == FP4_BLOCK and w.dim() == 3
+            and w.layout == "plain" and is_exponent_bytes(w.scales) and w.shape[1] % 64 == 0
+            and w.shape[2] % moe_fp4.KPERM_BLOCK_K == 0)
+
+
+def reads_kperm(target, n: int, k: int, experts: int) -> bool:
+    """Whether `target`'s FP4 expert kernels read the K-permuted layout: its `grouped_gemm_fp4_kperm*` kernels
+    have an override for bf16 activations at this shape (a fact of the op's override table, not of a name)."""
+    v = Variant(n, k, experts, "bfloat16", DECODE_BLOCK_M, True)
+    return all(KERNELS_KPERM[d].body_for(target.name, v) is KPERM_BODIES[d] for d in moe_fp4.KPERM)
+
+
+def kernel_layout(w, target):
+    """`w` as `target`'s kernels take it: with `moe_fp4.REPACKED`, a stack of FP4 experts that fits, on a target
+    that reads the K-permuted layout, is repacked (once: "kperm1" when every exponent byte is <= 128, else "kperm");
+    anything else is returned as it is."""
+    if not (moe_fp4.REPACKED and kperm_fits(w) and not w.values.is_meta
+            and reads_kperm(target, w.shape[1], w.shape[2], w.shape[0])):
+        return w
+    exact = int(w.scales.view(torch.uint8).max()) > 128
+    decode = "kperm" if exact else "kperm1"
+    values, scales = moe_fp4_sm90.repack(w.values, w.scales.view(torch.uint8), moe_fp4.kperm_tune(BLOCK_M, decode))
+    # the decoder rides on the scales' dtype (int32 words: "kperm1", their bytes: "kperm"), so any copy of the
+    # tensors (expert parallelism's rows and gathers included) keeps the layout
+    return BlockQuantized(values, scales if not exact else scales.view(torch.uint8), w.block, w.format)
 
 
 def run(launch, x, weights, indices, gate_up, down, limit):
@@ -261,17 +329,21 @@ def run(launch, x, weights, indices, gate_up, down, limit):
     dtype = dtypes.name(x.dtype)
     up_v = variant(two_i, hidden, experts, dtype, fp4, n_tok)
     down_v = variant(hidden, inter, experts, dtype, fp4, n_tok)
-    kernel = "grouped_gemm_fp4" if fp4 else "grouped_gemm"
+    up_kernel, down_kernel = (_fp4_kernel(gate_up), _fp4_kernel(down)) if fp4 else ("grouped_gemm", "grouped_gemm")
+    if fp4 and moe_fp4.REPACKED and gate_up.values.is_meta and gate_up.layout == "plain":  # the compile plan's trace
+        for w, v in ((gate_up, up_v), (down, down_v)):  # what a target that repacks these weights at load launches
+            if kperm_fits(w):
+                launch(KERNELS_KPERM["kperm1"].name, v)
     dest, tiles = layout(indices, experts, up_v.block_m)
     total = tiles.numel() * up_v.block_m
     top_k = indices.shape[1]
     rows = torch.empty(total, hidden, dtype=x.dtype, device=x.device)  # padding rows' results are never read
     rows.index_copy_(0, dest, x[:, None].expand(n_tok, top_k, hidden).reshape(-1, hidden))
     h = torch.empty(total, two_i, dtype=x.dtype, device=x.device)
-    launch(kernel, up_v)(rows, *_operands(gate_up), tiles, h)
+    launch(up_kernel, up_v)(rows, *_operands(gate_up), tiles, h)
     a = swiglu.run(launch.op("swiglu"), h, limit)
     y = torch.empty(total, hidden, dtype=x.dtype, device=x.device)
-    launch(kernel, down_v)(a, *_operands(down), tiles, y)
+    launch(down_kernel, down_v)(a, *_operands(down), tiles, y)
     # each token's k rows weighted in fp32 and summed in slot order (deterministic: no atomics)
     picked = y.index_select(0, dest).view(n_tok, top_k, hidden)
     return (picked * weights.float()[..., None]).sum(1).to(x.dtype)
@@ -300,7 +372,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "moe_experts", "grouped expert GEMMs (gate_up, clipped SwiGLU, down) with weighted combine", reference,
-    kernels=(KERNEL, KERNEL_FP4),
+    kernels=(KERNEL, KERNEL_FP4, *KERNELS_KPERM.values()),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 3e-2)},
     run=run, example=example, uses=("swiglu",), row_samples=(DECODE_TOKENS + 1,),
 )

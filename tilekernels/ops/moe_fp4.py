@@ -70,6 +70,26 @@ def tune_for(block_m: int) -> Tune:
     return TUNE if block_m <= 16 else PREFILL_TUNE
 
 
+# The K-permuted layout in the engine (measured on the H200, BENCHMARKS.md "FP4 experts in the engine: the
+# K-permuted layout": 1.7x faster at 1-64 tokens, 1.28x at 256-4096). On a target whose `grouped_gemm_fp4_kperm*`
+# kernels have an override (sm_90a), routed FP4 experts are repacked once at load (`moe_experts.kernel_layout`,
+# called by the model's assembly: "kperm1" when every exponent byte is <= 128, else "kperm") and both tiles below
+# read them; every other target and the reference keep the plain layout. False: nothing is repacked and the plain
+# kernels above run, as before.
+REPACKED = True
+KPERM_BLOCK_K = 256  # the repacked tile's K width: the layout of both tiles below (`moe_fp4_sm90.repack`)
+KPERM_TUNE = Tune(block_n=64, block_k=KPERM_BLOCK_K, stages=3, threads=128, decode="kperm1", min_blocks=4)
+# 64-row tiles on the repacked layout: 32 KB of activations + 8 KB of weights a stage (the fastest correct of
+# benchmarks/fp4_experts.py's "p_kperm*_s2_mb2", "p_kperm*_s3_mb1", "p_kperm1_bn128_s2" on the H200)
+KPERM_PREFILL_TUNE = Tune(block_n=64, block_k=KPERM_BLOCK_K, stages=2, threads=128, decode="kperm1", min_blocks=2)
+
+
+def kperm_tune(block_m: int, decode: str) -> Tune:
+    """The tile of the K-permuted kernel for `block_m`-row tiles, with decoder `decode` ("kperm" or "kperm1")."""
+    base = KPERM_TUNE if block_m <= 16 else KPERM_PREFILL_TUNE
+    return Tune(**{**base.__dict__, "decode": decode})
+
+
 def repack_for(tune: Tune, values, scales) -> tuple:
     """The weight operands the kernel of `tune` takes: (values, scales) unchanged, or K-permuted once."""
     if not tune.repacked:

@@ -1,5 +1,6 @@
-"""K-permuted FP4 decode kernel for `grouped_gemm_fp4` on sm_90a (a candidate of benchmarks/fp4_experts.py, not
-the engine's default): the swapped-operand kernel of `moe_fp4` (weight rows are the wgmma's M, 16 tokens its N,
+"""K-permuted FP4 kernel for the routed experts on sm_90a (candidates of benchmarks/fp4_experts.py; the engine's
+`grouped_gemm_fp4_kperm*` kernels, decode and 64-row tiles, when `moe_fp4.REPACKED` is on): the swapped-operand
+kernel of `moe_fp4` (weight rows are the wgmma's M, 16 tokens its N,
 weights converted into the MMA's A registers), but with the weight bytes and exponents repacked once at load
 (`repack`) so that each thread's decode is a few vector loads and word-wide bit operations.
 
@@ -21,8 +22,9 @@ What changes against `moe_fp4.body_decode` ("pair"):
 - block_n 128 (two warpgroups, 64 rows each): both read the same activation tile, half the L2 reads per weight.
 
 Restrictions (checked): bf16 activations, N % block_n == 0, K % block_k == 0, block_k a multiple of 256,
-64 weight rows per warpgroup of 128 threads. Only benchmarks/fp4_experts.py runs it (`moe_fp4.repack_for`);
-the engine's default path and layout are unchanged.
+64 weight rows per warpgroup of 128 threads. The layout depends on block_k only (exponents: on nothing), so the
+decode and prefill tiles share it when both use `moe_fp4.KPERM_BLOCK_K`; `unpermute` inverts `repack` exactly.
+The engine repacks only with `moe_fp4.REPACKED` (`moe_experts.kernel_layout`); otherwise nothing changes.
 """
 
 import torch
@@ -157,6 +159,52 @@ def _scale_order(ks: int) -> torch.Tensor:
     h, b = hb // 8, hb % 8
     row = 16 * (pair // 8) + pair % 8 + 8 * h
     return row * ks + chunk * 8 + b
+
+
+def _tile_index(bk: int, device) -> tuple[torch.Tensor, ...]:
+    """For one (64, bk) tile's words: each word's register p, half: the row-major code index it holds, the bit of
+    its magnitude and the bit of its sign (the index tables `_weight_words` and `_weight_codes` share)."""
+    o = torch.arange(8 * bk, device=device)[:, None, None]  # word index in the tile
+    p = torch.arange(4, device=device)[None, :, None]
+    half = torch.arange(2, device=device)[None, None, :]
+    q, t, j = o // 512, o % 512 // 4, o % 4
+    warp, g, c = t // 32, t % 32 // 4, t % 4
+    row = 16 * warp + g + 8 * (p % 2)
+    col = 16 * (4 * q + j) + 2 * c + 8 * (p // 2)
+    mag = torch.tensor(MAG, device=device)[p] + 16 * half
+    sign = torch.tensor(SIGN, device=device)[p] + 16 * half
+    return (row * bk + col + half).expand(-1, 4, 2), mag.expand(8 * bk, -1, -1), sign.expand(8 * bk, -1, -1)
+
+
+def _weight_codes(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_weight_words`: (..., 8 * bk) int32 words -> (..., 64 * bk) e2m1 codes (uint8)."""
+    bk = words.shape[-1] // 8
+    idx, mag, sign = _tile_index(bk, words.device)
+    w = (words.long() & 0xFFFFFFFF)[..., :, None, None]
+    codes = ((w >> mag) & 7) | (((w >> sign) & 1) << 3)
+    out = torch.empty(words.shape[:-1] + (64 * bk,), dtype=torch.uint8, device=words.device)
+    out[..., idx.reshape(-1)] = codes.reshape(*words.shape[:-1], -1).to(torch.uint8)
+    return out
+
+
+def unpermute(values: torch.Tensor, scales: torch.Tensor, block_k: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `repack` (exact): K-permuted words (E, N, K/8) int32 and exponents (E, N, K/128) int32 (or
+    their bytes (E, N, K/32)) -> the plain (E, N, K/2) uint8 codes and (E, N, K/32) uint8 exponent bytes."""
+    e, n, kw = values.shape
+    k, bk = 8 * kw, block_k
+    require(n % 64 == 0 and k % bk == 0 and bk % CHUNK == 0, "moe_experts", f"cannot un-permute {tuple(values.shape)}")
+    sbytes = scales.contiguous().view(torch.uint8).reshape(e, n, k // FP4_BLOCK[1])
+    sorder = _scale_order(k // FP4_BLOCK[1]).to(values.device)
+    out_v = torch.empty(e, n, k // 2, dtype=torch.uint8, device=values.device)
+    out_s = torch.empty(e, n, k // FP4_BLOCK[1], dtype=torch.uint8, device=values.device)
+    for x in range(e):
+        words = values[x].reshape(n // 64, 64, k // bk, bk // 8).permute(0, 2, 1, 3).reshape(n // 64, k // bk, -1)
+        codes = _weight_codes(words).view(n // 64, k // bk, 64, bk).permute(0, 2, 1, 3).reshape(n, k)
+        out_v[x].copy_(codes[:, 0::2] | (codes[:, 1::2] << 4))
+        plain = torch.empty_like(out_s[x]).reshape(n // 64, -1)
+        plain[:, sorder] = sbytes[x].reshape(n // 64, -1)
+        out_s[x].copy_(plain.reshape(n, -1))
+    return out_v, out_s
 
 
 def repack(values: torch.Tensor, scales: torch.Tensor, tune) -> tuple[torch.Tensor, torch.Tensor]:
