@@ -61,9 +61,10 @@ def test_jsonl_on_a_saved_model_with_a_prompts_file(saved, tmp_path):
 
 
 def test_text_output_on_a_saved_model_via_the_environment(saved):
-    result = invoke(["--token-ids", "9,10,11", "--max-new-tokens", "3"], env={"DEEPINFER_HF_MODEL_DIR": str(saved)})
+    result = invoke(["--token-ids", "9,10,11", "--max-new-tokens", "3", "--temperature", "0"],
+                    env={"DEEPINFER_HF_MODEL_DIR": str(saved)})
     assert result.exit_code == 0, result.output
-    assert "=== request 0 (3 prompt tokens, 3 generated, finish: length) ===" in result.output
+    assert "=== request 0 (3 prompt tokens, 3 generated, finish: length) ===" in result.output, result.output
     assert "RANDOM" not in result.output
 
 

@@ -173,15 +173,14 @@ def test_eplb_options_are_checked():
         LLM(**SIZES, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_redundant_experts=-1)
 
 
-@pytest.mark.parametrize("spelling", ["hf", "upstream"])
-def test_a_quantized_checkpoint_split_over_ranks_reads_each_rank_its_experts(spelling, tmp_path):
-    """FP8 dense / FP4 expert checkpoint (stacked HF experts, or upstream's one tensor per expert), kept quantized:
+def test_a_quantized_checkpoint_split_over_ranks_reads_each_rank_its_experts(tmp_path):
+    """FP8 dense / FP4 expert checkpoint (upstream names), kept quantized:
     tensor-parallel 2 with the experts split gives the one-process tokens; each rank holds its 4 of 8 experts."""
     from deepinfer.tiny import random_tensors, tiny_config
     from deepinfer.weights.synthetic import write_checkpoint
 
     cfg = tiny_config()
-    model = write_checkpoint(tmp_path / spelling, cfg.raw, random_tensors(cfg, seed=1), spelling, block=(32, 32))
+    model = write_checkpoint(tmp_path / "q", cfg.raw, random_tensors(cfg, seed=1), "upstream", block=(32, 32))
     prompts = [{"token_ids": [5, 17, 300]}, {"token_ids": [9, 8, 7, 6]}]
     params = SamplingParams(temperature=0, max_new_tokens=5)
     want = [o.token_ids for o in LLM(model, **SIZES).generate(prompts, params, use_tqdm=False)]
@@ -234,3 +233,21 @@ def test_a_script_without_a_main_guard_starts_ranks(tmp_path):
     want = LLM(**SIZES).generate([{"token_ids": [5, 6, 7]}, {"token_ids": [9, 9]}],
                                  SamplingParams(temperature=0, max_new_tokens=3), use_tqdm=False)
     assert proc.stdout.count("TOKENS") == 1 and str([o.token_ids for o in want]) in proc.stdout
+
+
+@pytest.mark.parametrize("spelling", ["hf", "upstream"])
+def test_the_loader_reads_the_chosen_experts_in_their_order(spelling, tmp_path):
+    from deepinfer.tiny import random_tensors, tiny_config
+    from deepinfer.config_v41 import read_config
+    from deepinfer.weights.loader import load_checkpoint
+    from deepinfer.weights.synthetic import write_checkpoint
+
+    cfg = tiny_config()
+    model = write_checkpoint(tmp_path / spelling, cfg.raw, random_tensors(cfg, seed=1), spelling, block=(32, 32))
+    cfg = read_config(model)  # with its quantization_config
+    whole = load_checkpoint(model, cfg, torch.float32, keep_quantized=True).tensors
+    chosen = [6, 1, 1, 3]  # any order, replicas too
+    part = load_checkpoint(model, cfg, torch.float32, keep_quantized=True, experts_of=lambda name: chosen).tensors
+    for name in ("layers.0.mlp.experts.gate_up_proj", "layers.3.mlp.experts.down_proj"):
+        assert torch.equal(part[name].values, whole[name].values[chosen])
+        assert torch.equal(part[name].scales, whole[name].scales[chosen])
