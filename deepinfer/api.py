@@ -158,8 +158,9 @@ class LLM:
         """`method` run by every rank worker (callbacks run here, once the results are in)."""
         results, self.last_stats = self._pool.call("_ranked", method, *args, **kwargs)
         for r in results:
-            for chunk in getattr(r, "chunks", None) or () if on_chunk is not None else ():
-                on_chunk(r.custom_id, chunk)
+            if on_chunk is not None:
+                for chunk in getattr(r, "chunks", None) or ():
+                    on_chunk(r.custom_id, chunk)
             if on_output is not None:
                 on_output(r)
         return results

@@ -136,8 +136,8 @@ class BlockQuantized:
     def to(self, device: torch.device | str) -> BlockQuantized:
         return BlockQuantized(self.values.to(device), self.scales.to(device), self.block, self.format)
 
-    def __getitem__(self, index: int) -> BlockQuantized:
-        """One slice of the leading (expert) dimension."""
+    def __getitem__(self, index) -> BlockQuantized:
+        """One slice of the leading (expert) dimension, or (an index tensor) those experts, copied."""
         return BlockQuantized(self.values[index], self.scales[index], self.block, self.format)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -142,18 +142,12 @@ class ExpertShard:
         everyone = _gather_all(self.comm, local)  # [ranks * per_rank, ...] in old slot order
         first = old.log2phy[layer, :, 0]  # a slot that held each logical expert
         mine = torch.tensor(slot_experts(self.placement, self.comm.rank.rank, layer))
-        return rows(everyone, first[mine].to(_values(everyone).device))
-
-
-def _values(w) -> torch.Tensor:
-    return w.values if isinstance(w, BlockQuantized) else w
+        return rows(everyone, first[mine])
 
 
 def rows(w, index: torch.Tensor):
     """Experts `index` of a stacked weight (plain or block-quantized), copied."""
-    if isinstance(w, BlockQuantized):
-        return BlockQuantized(w.values[index].contiguous(), w.scales[index].contiguous(), w.block, w.format)
-    return w[index].contiguous()
+    return w[index.to(w.device)]
 
 
 def _gather_all(comm: Comm, w):

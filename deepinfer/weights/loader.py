@@ -200,7 +200,7 @@ def load_checkpoint(
         check_shape(f"{name} ({sources[0][1]})", tensor.shape, spec if chosen is None or sources[0][0].kind != "expert"
                     else TensorSpec((len(chosen), *spec.shape[1:]), spec.kind))
         if chosen is not None and sources[0][0].kind != "expert":  # stored stacked: read whole, keep the chosen
-            tensor = _experts(tensor, chosen)
+            tensor = tensor[torch.tensor(chosen)]  # plain or block-quantized: those experts, copied
         ckpt.tensors[name] = tensor.to(device)
         if progress is not None:
             progress(1)
@@ -224,14 +224,6 @@ def _one(name, sources, read, dtype, block, ckpt, keep=False) -> torch.Tensor | 
     if is_quantized(tensor) and dtype != torch.int64:
         raise WeightsError(f"tensor {name} ({values[0]}) is quantized ({tensor.dtype}) but has no scale tensor")
     return tensor.to(dtype)
-
-
-def _experts(w, chosen: list[int]):
-    """Experts `chosen` of a stacked tensor (plain or block-quantized), copied."""
-    index = torch.tensor(chosen)
-    if isinstance(w, BlockQuantized):
-        return BlockQuantized(w.values[index].contiguous(), w.scales[index].contiguous(), w.block, w.format)
-    return w[index].contiguous()
 
 
 def _stack_experts(name, spec: TensorSpec, sources, read, dtype, block, ckpt, keep,
