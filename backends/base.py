@@ -81,6 +81,10 @@ class Target:
     needs: str = ""  # what must be installed / present to run on it (for errors)
     collectives: str = "gloo"  # the torch.distributed backend of several ranks on this target (nccl, hccl, gloo)
     bind_device: Callable[[int], None] | None = None  # make device `local_rank` this process's own (None: CPU)
+    # `--batch-invariant` here: "tested" (bit for bit, by the test suite), "untested" (the same split rules, never
+    # run: a warning), "unsupported" (an error naming why)
+    batch_invariant: str = "tested"
+    batch_invariant_note: str = ""
 
     @property
     def kernels(self) -> bool:

@@ -73,15 +73,17 @@ def nbytes(t) -> int:
     return t.nbytes if isinstance(t, BlockQuantized) else t.numel() * t.element_size()
 
 
-def prebuild_quantized(cfg) -> None:
-    """Build the FP8 / FP4 kernels the quantized slice launches (the slice's compiled manifest has the bf16 ones)."""
+def prebuild(cfg, invariant: bool) -> None:
+    """Build the kernels the slice launches that its compiled manifest may lack (the FP8 / FP4 ones of the quantized
+    slice; with `invariant`, the batch-invariant variants too)."""
     import os
 
     from deepinfer.compile.plan import kernel_plan
     from deepinfer.compile.prebuild import build_kernels
     from deepinfer.env import Env
 
-    build_kernels("sm90", kernel_plan(cfg, "bfloat16"), Env.read().cache_dir, jobs=min(16, os.cpu_count() or 1))
+    items = kernel_plan(cfg, "bfloat16") + (kernel_plan(cfg, "bfloat16", invariant=True) if invariant else [])
+    build_kernels("sm90", list(dict.fromkeys(items)), Env.read().cache_dir, jobs=min(16, os.cpu_count() or 1))
 
 
 def cuda_ms(fn, iters: int) -> float:
@@ -138,9 +140,10 @@ def main() -> None:
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--quantized", action="store_true", help="V4's FP8 / FP4 weight formats (see above)")
+    parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
+                        help="the batch-invariant kernels (both: off and on side by side, with the slowdown)")
     args = parser.parse_args()
 
-    from backends.nvidia.graphs import CudaGraphs
     from deepinfer.config import ModelConfig
     from deepinfer.env import Env
     from deepinfer.model.model import DeepseekV4
@@ -161,54 +164,25 @@ def main() -> None:
         quantization = V4_QUANTIZATION
         cfg = ModelConfig.from_dict({**cfg.raw, "quantization_config": quantization})
         tensors = quantize_in_memory(tensors, quantization)
-        prebuild_quantized(cfg)
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]
+    if args.quantized or True in modes:
+        prebuild(cfg, True in modes)
+    if args.quantized:
         args.skip_hf = True  # HF and the reference path would dequantize: their figures are the bf16 run's
     weights = ModelWeights.from_tensors(cfg, tensors)
-    model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir))
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()), "commit": args.commit,
                "copy_gbs": bw, "weights_gb": sum(nbytes(t) for t in tensors.values()) / 1e9,
                "quantized": args.quantized, "decode": [], "prefill": []}
     print(f"# {results['device']} | {results['date']} | commit {args.commit} | copy {bw:.0f} GB/s | "
           f"slice weights {results['weights_gb']:.1f} GB", flush=True)
-    print("| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
-    for context in [int(c) for c in args.contexts.split(",")]:
-        for batch in [int(b) for b in args.batches.split(",")]:
-            cache, seqs = synthetic_cache(cfg, batch, context, dtype)
-            graphs = DecodeGraphs(model, cache, batch, CudaGraphs())
-            ids, pos = list(range(100, 100 + batch)), [context] * batch
-            with torch.inference_mode():
-                ms = cuda_ms(lambda: graphs.run(ids, pos, seqs), 10)
-            floor = floor_bytes(cfg, specs, batch, context, quantization) / (bw * 1e9) * 1e3
-            row = dict(context=context, batch=batch, step_ms=ms, tok_s=batch / ms * 1e3, floor_ms=floor, ratio=ms / floor)
-            results["decode"].append(row)
-            print(f"| {context} | {batch} | {ms:.3f} | {row['tok_s']:.0f} | {floor:.3f} | {ms / floor:.2f}x |", flush=True)
-            del cache, graphs
-            torch.cuda.empty_cache()
-    for n in (4096, 16384):
-        from deepinfer.runtime.cache import CacheSpec, PagedCache
-
-        ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
-        cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),
-                           dtype, "cuda")
-        seq = cache.admit()
-        cache.grow(seq, n)
-
-        def run_prefill():
-            seq.num_tokens = 0
-            for start in range(0, n, 4096):
-                model.prefill(cache, ids[start : start + 4096], torch.arange(start, start + 4096, device="cuda"),
-                              [(seq, 0, 4096)], torch.tensor([4095], device="cuda"))
-
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        with torch.inference_mode():
-            run_prefill()
-        torch.cuda.synchronize()
-        secs = time.perf_counter() - begin
-        results["prefill"].append(dict(tokens=n, seconds=secs, tok_s=n / secs))
-        print(f"prefill {n} tokens: {secs:.2f} s, {n / secs:.0f} tok/s (first run, kernels loaded)", flush=True)
-    if args.quantized:  # the reference path dequantizes per call: not a figure worth its minutes here
+    for invariant in modes:
+        model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir, invariant=invariant))
+        measure(model, cfg, specs, quantization, bw, dtype, args, results, invariant)
+        del model
+    if len(modes) == 2:
+        print(invariance_cost(results), flush=True)
+    if args.quantized or args.batch_invariant != "off":  # the reference path dequantizes per call (quantized)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
         return
@@ -226,6 +200,71 @@ def main() -> None:
               f"({1e3 / results['hf_b1_4k_ms']:.1f} tok/s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: dict, invariant: bool) -> None:
+    """Decode steps (CUDA graphs) at each context and batch, then prefill at 4K and 16K, into `results` (rows
+    tagged with the batch-invariant mode)."""
+    from backends.nvidia.graphs import CudaGraphs
+    from deepinfer.runtime.graph import DecodeGraphs
+
+    mode = "batch-invariant" if invariant else "default"
+    print(f"## {mode} kernels\n| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            cache, seqs = synthetic_cache(cfg, batch, context, dtype)
+            graphs = DecodeGraphs(model, cache, batch, CudaGraphs())
+            ids, pos = list(range(100, 100 + batch)), [context] * batch
+            with torch.inference_mode():
+                ms = cuda_ms(lambda: graphs.run(ids, pos, seqs), 10)
+            floor = floor_bytes(cfg, specs, batch, context, quantization) / (bw * 1e9) * 1e3
+            row = dict(context=context, batch=batch, step_ms=ms, tok_s=batch / ms * 1e3, floor_ms=floor,
+                       ratio=ms / floor, invariant=invariant)
+            results["decode"].append(row)
+            print(f"| {context} | {batch} | {ms:.3f} | {row['tok_s']:.0f} | {floor:.3f} | {ms / floor:.2f}x |", flush=True)
+            cache = graphs = None
+            torch.cuda.empty_cache()
+    for n in (4096, 16384):
+        from deepinfer.runtime.cache import CacheSpec, PagedCache
+
+        ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+        cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),
+                           dtype, "cuda")
+        seq = cache.admit()
+        cache.grow(seq, n)
+
+        def run_prefill():
+            seq.num_tokens = 0
+            for start in range(0, n, 4096):
+                model.prefill(cache, ids[start : start + 4096], torch.arange(start, start + 4096, device="cuda"),
+                              [(seq, 0, 4096)], torch.tensor([4095], device="cuda"))
+
+        times = []
+        for _ in range(3):  # the first run loads kernels and warms allocator and caches: the best of the next two
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            with torch.inference_mode():
+                run_prefill()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - begin)
+        secs = min(times[1:])
+        results["prefill"].append(dict(tokens=n, seconds=secs, tok_s=n / secs, first_run_s=times[0], invariant=invariant))
+        print(f"prefill {n} tokens: {secs:.3f} s, {n / secs:.0f} tok/s (warm; first run {times[0]:.2f} s)", flush=True)
+
+
+def invariance_cost(results: dict) -> str:
+    """A markdown table: each decode row and prefill size with the mode off and on, and the slowdown."""
+    lines = ["| measure | default | batch-invariant | slowdown |", "|---|---|---|---|"]
+    rows: dict = {}
+    for r in results["decode"]:
+        rows.setdefault((f"decode step ms, context {r['context']}, batch {r['batch']}", "ms"), {})[r["invariant"]] = r["step_ms"]
+    for r in results["prefill"]:
+        rows.setdefault((f"prefill {r['tokens']} tokens, tok/s", "tok/s"), {})[r["invariant"]] = r["tok_s"]
+    for (name, unit), v in rows.items():
+        if len(v) == 2:
+            slow = v[True] / v[False] - 1 if unit == "ms" else v[False] / v[True] - 1
+            lines.append(f"| {name} | {v[False]:.3f} | {v[True]:.3f} | {100 * slow:+.1f} % |")
+    return "\n".join(lines)
 
 
 def hf_decode(cfg, tensors, context: int = 4096, steps: int = 5) -> float:

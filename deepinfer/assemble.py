@@ -39,6 +39,7 @@ class EngineOptions:
     random_seed: int
     quantization: str  # auto | none
     show_progress: bool
+    batch_invariant: bool = False  # the backend's op table is the batch-invariant one (its plan compiled so)
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,8 @@ def ready_kernels(backend: Backend, cfg: ModelConfig | V41Config, dtype: torch.d
     from deepinfer.compile.prebuild import build_missing
 
     target = backend.kernel_target
-    plan = model_plan(cfg, str(dtype).removeprefix("torch."), opts.quantization == "auto", env.cache_dir / target)
+    plan = model_plan(cfg, str(dtype).removeprefix("torch."), opts.quantization == "auto", env.cache_dir / target,
+                      opts.batch_invariant)
     missing = unlisted(env.cache_dir / target, plan)
     build_missing(target, missing, env.cache_dir, opts.show_progress)
     clock.done("kernel build check", f"{len(plan)} kernels in the plan, {len(missing)} built now")
@@ -293,7 +295,8 @@ def ready_kernels(backend: Backend, cfg: ModelConfig | V41Config, dtype: torch.d
     clock.done("kernel load", f"{loaded} kernels, {jobs} thread(s)")
 
 
-def model_plan(cfg: ModelConfig | V41Config, dtype: str, quantized: bool, root: Path) -> list[tuple]:
+def model_plan(cfg: ModelConfig | V41Config, dtype: str, quantized: bool, root: Path,
+               invariant: bool = False) -> list[tuple]:
     """The model's kernel plan (`deepinfer.compile.plan.kernel_plan`: a trace of the model on meta tensors, seconds
     on a large config), kept under `root/plans/` keyed by all it derives from: the config, dtype, quantization,
     torch's version and the source of deepinfer and tilekernels (any edit there traces it anew)."""
@@ -305,7 +308,7 @@ def model_plan(cfg: ModelConfig | V41Config, dtype: str, quantized: bool, root: 
     import tilekernels
     from deepinfer.compile.plan import kernel_plan
 
-    digest = hashlib.sha256(json.dumps([cfg.raw, dtype, quantized, torch.__version__], sort_keys=True,
+    digest = hashlib.sha256(json.dumps([cfg.raw, dtype, quantized, invariant, torch.__version__], sort_keys=True,
                                        default=str).encode())
     for package in (deepinfer, tilekernels):
         base = Path(package.__file__).parent
@@ -319,7 +322,7 @@ def model_plan(cfg: ModelConfig | V41Config, dtype: str, quantized: bool, root: 
         pass
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError) as exc:
         log.info("deepinfer: kernel plan %s unreadable (%s): tracing the model again", path, exc)
-    plan = kernel_plan(cfg, dtype, quantized)
+    plan = kernel_plan(cfg, dtype, quantized, invariant)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_bytes(pickle.dumps(plan))

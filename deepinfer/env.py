@@ -10,6 +10,7 @@ from typing import Mapping
 from deepinfer.errors import ConfigError
 
 ACCELERATORS = ("cpu", "nvidia", "ascend")
+_FLAGS = {"0": False, "1": True, "false": False, "true": True, "off": False, "on": True}
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Env:
     hf_model_dir: str | None  # DEEPINFER_HF_MODEL_DIR: default --model directory
     cache_dir: Path  # DEEPINFER_CACHE_DIR: compiled kernels (default ~/.cache/deepinfer/kernels)
     dist_timeout: float = 300.0  # DEEPINFER_DIST_TIMEOUT: seconds a collective between ranks may wait
+    batch_invariant: bool = False  # DEEPINFER_BATCH_INVARIANT: 1 = a request's result does not depend on its batch
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -34,8 +36,11 @@ class Env:
             dist_timeout = -1.0
         if not dist_timeout > 0:
             raise ConfigError(f"DEEPINFER_DIST_TIMEOUT={timeout!r} is not valid; accepted: seconds, a number > 0")
+        invariant = (environ.get("DEEPINFER_BATCH_INVARIANT") or "0").strip().lower()
+        if invariant not in _FLAGS:
+            raise ConfigError(f"DEEPINFER_BATCH_INVARIANT={invariant!r} is not valid; accepted: {', '.join(_FLAGS)}")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
-                   cache_dir=cache_dir, dist_timeout=dist_timeout)
+                   cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant])
 
 
 def check_writable_dir(path: Path, what: str) -> None:

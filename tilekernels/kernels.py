@@ -31,10 +31,12 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
 class Launcher:
     """`launcher(op, kernel, variant)` -> the compiled callable for the compiler's target (memoized). Thread-safe:
     a key is loaded by one thread; another asking for it meanwhile waits for that load (`preload` fills the memo
-    from a thread pool before the first request)."""
+    from a thread pool before the first request). `invariant`: the ops pick their batch-invariant variants (one
+    reduction order per shape, whatever the row count; docs/batch-invariance.md)."""
 
-    def __init__(self, compiler: Compiler):
+    def __init__(self, compiler: Compiler, invariant: bool = False):
         self.compiler = compiler
+        self.invariant = invariant
         self._loaded: dict[tuple, Callable[..., Any]] = {}
         self._loading: dict[tuple, Future] = {}  # keys a thread is loading now
         self._lock = threading.Lock()
@@ -102,10 +104,11 @@ class Launcher:
 
 class OpLauncher:
     """What an op's `run` receives: `launch(kernel, variant)` for its own kernels, `launch.op(name)` for another
-    op's (e.g. the expert FFN reuses the SwiGLU kernel)."""
+    op's (e.g. the expert FFN reuses the SwiGLU kernel); `launch.invariant`: pick the batch-invariant variants."""
 
     def __init__(self, launcher: Launcher, op: str):
         self._launcher, self._op = launcher, op
+        self.invariant = getattr(launcher, "invariant", False)
 
     def __call__(self, kernel: str, variant: Any) -> Callable[..., Any]:
         return self._launcher(self._op, kernel, variant)
@@ -118,8 +121,9 @@ class Recorder(Launcher):
     """A launcher that compiles nothing: it records every (op, kernel, variant) an op's `run` asks for and hands
     back a no-op, so that a model run on meta tensors lists the kernels it launches (the compile plan)."""
 
-    def __init__(self):
+    def __init__(self, invariant: bool = False):
         self.seen: dict[tuple, None] = {}  # insertion-ordered set
+        self.invariant = invariant
 
     def __call__(self, op: str, kernel: str, variant: Any) -> Callable[..., Any]:
         self.seen.setdefault((op, kernel, variant))
@@ -130,22 +134,26 @@ def _no_op(*args: Any) -> None:
     return None
 
 
-def kernel_launcher(target_name: str, cache_dir: Path, jit: bool = True) -> Launcher:
+def kernel_launcher(target_name: str, cache_dir: Path, jit: bool = True, invariant: bool = False) -> Launcher:
     """The launcher of `target_name`'s kernels from the cache under `cache_dir` (built first when missing, with
     `jit`); `table(launcher)` is its op table."""
     import backends
 
-    return Launcher(Compiler(backends.get(target_name), cache_dir, jit=jit))
+    return Launcher(Compiler(backends.get(target_name), cache_dir, jit=jit), invariant)
 
 
-def kernel_table(target_name: str, cache_dir: Path, jit: bool = True) -> OpTable:
+def kernel_table(target_name: str, cache_dir: Path, jit: bool = True, invariant: bool = False) -> OpTable:
     """Every op with kernels runs them on `target_name`; the others run their reference (on the same device)."""
-    return table(kernel_launcher(target_name, cache_dir, jit))
+    return table(kernel_launcher(target_name, cache_dir, jit, invariant))
 
 
 def table(launcher: Launcher) -> OpTable:
-    """The op table whose kernel ops launch through `launcher`."""
+    """The op table whose kernel ops launch through `launcher`; the others run their reference (with
+    `launcher.invariant`, in fixed-shape pieces: `tilekernels.invariant`)."""
+    from tilekernels.invariant import reference_impl
+
     impls = {}
     for name, op in DECLARED.items():
-        impls[name] = functools.partial(op.run, launcher.for_op(name)) if op.run is not None else op.reference
+        impls[name] = (functools.partial(op.run, launcher.for_op(name)) if op.run is not None
+                       else reference_impl(op, getattr(launcher, "invariant", False)))
     return OpTable(impls, DECLARED)

@@ -128,4 +128,8 @@ ASCEND = Target(
     collectives="hccl",  # never run here: no NPU and no CANN
     bind_device=_bind,
     needs="torch_npu (pip install 'deepinfer[ascend]') and an Ascend NPU",
+    batch_invariant="unsupported",
+    batch_invariant_note=("the Ascend kernels were never run, and their persistent cores and split vector units "
+                          "(two halves of each tile) reduce in orders nobody has checked; run --batch-invariant on "
+                          "sm90, c or reference"),
 )

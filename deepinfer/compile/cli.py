@@ -26,7 +26,9 @@ TARGETS = backends.COMPILE_TARGETS
 @click.option("--quantization", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
               help="auto: the FP8/FP4 kernels for a checkpoint whose config declares a quantization_config, as "
                    "`run --quantization auto` loads it; none: the kernels of its dequantized weights.")
-def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization) -> None:
+@click.option("--batch-invariant/--no-batch-invariant", default=False, show_default=True,
+              help="The batch-invariant variants, as `run --batch-invariant` launches them (DeepSeek-V4).")
+def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization, batch_invariant) -> None:
     """Lower and build the kernels a model needs for one target, into the artifact cache + manifest."""
     from deepinfer.env import Env
     from deepinfer.errors import DeepInferError
@@ -37,12 +39,13 @@ def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization) -> N
         raise click.BadParameter(str(exc), param_hint="--target") from exc
     try:
         _compile(target, model_dir, Path(out_dir) if out_dir else Env.read().cache_dir, jobs, ops, dtype,
-                 quantization == "auto")
+                 quantization == "auto", batch_invariant)
     except DeepInferError as exc:
         raise click.ClickException(str(exc)) from exc
 
 
-def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized: bool = True) -> None:
+def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized: bool = True,
+             invariant: bool = False) -> None:
     from deepinfer.config_v41 import read_config
     from deepinfer.errors import ConfigError
     from deepinfer.compile.plan import kernel_plan
@@ -53,7 +56,7 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized:
     cfg = read_config(model_dir) if model_dir else tiny_config()  # DeepSeek-V4 or V4.1
     check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
-    items = kernel_plan(cfg, dtype, None if quantized else False)
+    items = kernel_plan(cfg, dtype, None if quantized else False, invariant)
     if ops:
         wanted = [o.strip() for o in ops.split(",") if o.strip()]
         known = sorted({op for op, _, _ in items})

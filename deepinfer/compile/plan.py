@@ -24,14 +24,19 @@ def sample_rows() -> tuple[int, ...]:
     return tuple(sorted({1}.union(*(op.row_samples for op in DECLARED.values()))))
 
 
-def kernel_plan(cfg: ModelConfig | V41Config, dtype: str = "bfloat16", quantized: bool | None = None) -> list[Item]:
+def kernel_plan(cfg: ModelConfig | V41Config, dtype: str = "bfloat16", quantized: bool | None = None,
+                invariant: bool = False) -> list[Item]:
     """Every (op, kernel, variant) the forward passes of `cfg` (DeepSeek-V4 or V4.1) launch, without duplicates,
     in launch order. `quantized`: the checkpoint's FP8/FP4 tensors stay quantized (None: whenever the config
-    declares a `quantization_config`, as `--quantization auto` loads them)."""
+    declares a `quantization_config`, as `--quantization auto` loads them). `invariant`: the batch-invariant
+    variants (`--batch-invariant`), DeepSeek-V4 only."""
     from deepinfer.compile.plan_v41 import trace_v41
+    from deepinfer.errors import ConfigError
     from tilekernels.kernels import Recorder
 
-    recorder = Recorder()
+    recorder = Recorder(invariant)
+    if isinstance(cfg, V41Config) and invariant:
+        raise ConfigError("batch invariance is implemented for DeepSeek-V4 models; this config is DeepSeek-V4.1")
     if isinstance(cfg, V41Config):
         trace_v41(cfg, torch_dtype(dtype), recorder, sample_rows(), quantized=quantized)
     else:

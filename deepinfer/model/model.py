@@ -117,6 +117,8 @@ class DeepseekV4:
             streams = ops.hc_post(streams, f, post, comb)
         if logit_rows is not None:
             streams = streams[logit_rows]
+            if streams.shape[0] == 0:  # a prefill step that ends no prompt: no head (a kernel takes no empty grid)
+                return streams.new_zeros((0, cfg.vocab_size), dtype=torch.float32)
         hc = w.hc_head
         h = ops.rms_norm(ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, eps), w.norm, eps)
         return ops.linear(h, w.lm_head).float()

@@ -150,7 +150,10 @@ class DeepseekV41:
             logit_rows = slice(None)
         elif logit_rows is None:
             logit_rows = torch.tensor([ch.start + ch.length - 1 for ch in chunks], device=h.device)
-        out = ops.rms_norm(ops.hc_collapse(h[logit_rows], pre[logit_rows]), w.norm, eps)
+        h, pre = h[logit_rows], pre[logit_rows]
+        if h.shape[0] == 0:  # a prefill step that ends no prompt: no head (a kernel takes no empty grid)
+            return h.new_zeros((0, self.cfg.vocab_size), dtype=torch.float32)
+        out = ops.rms_norm(ops.hc_collapse(h, pre), w.norm, eps)
         # the reference's head runs in fp32; a kernel table takes one dtype, so the head's own (fp32 on the reference
         # path's default dtype: the same numbers)
         return ops.linear(out.to(w.head.dtype), w.head).float()

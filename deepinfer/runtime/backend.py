@@ -4,6 +4,7 @@ target, or the PyTorch references), and the decode-graph capture. Every fact com
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -14,6 +15,8 @@ import backends
 from deepinfer.env import Env
 from deepinfer.errors import ConfigError
 from tilekernels import OpTable
+
+log = logging.getLogger("deepinfer")
 
 if TYPE_CHECKING:
     from tilekernels.kernels import Launcher
@@ -50,20 +53,33 @@ def resolve(name: str | None, env: Env | None = None) -> backends.Target:
         raise ConfigError(str(exc)) from exc
 
 
-def select(name: str | None, cache_dir: Path, env: Env | None = None) -> Backend:
+def select(name: str | None, cache_dir: Path, env: Env | None = None, invariant: bool = False) -> Backend:
+    """`invariant`: the batch-invariant op table (each op's kernels in their one configuration per shape, the
+    references in fixed-shape pieces; docs/batch-invariance.md)."""
     target = resolve(name, env)
+    if invariant:
+        check_invariance(target)
     launcher = None
     if target.kernels:
         from tilekernels.kernels import kernel_launcher, table
 
-        launcher = kernel_launcher(target.name, cache_dir)
+        launcher = kernel_launcher(target.name, cache_dir, invariant=invariant)
         ops = table(launcher)
     else:
         from tilekernels import reference_table
 
-        ops = reference_table()
+        ops = reference_table(invariant)
     try:
         capture = target.graphs() if target.graphs is not None else None
     except ImportError as exc:
         raise ConfigError(f"backend {target.name!r} needs {target.needs}: {exc}") from exc
     return Backend(target, torch.device(target.device_type), ops, capture, launcher)
+
+
+def check_invariance(target: backends.Target) -> None:
+    """ConfigError where `--batch-invariant` cannot be promised on `target`; a warning where it was never tested."""
+    if target.batch_invariant == "unsupported":
+        raise ConfigError(f"--batch-invariant is not available on backend {target.name!r}: "
+                          f"{target.batch_invariant_note}")
+    if target.batch_invariant != "tested":
+        log.warning("deepinfer: --batch-invariant on %s: %s", target.name, target.batch_invariant_note)

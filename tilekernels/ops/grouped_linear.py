@@ -28,7 +28,7 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch
             f"weight must be [g * Dout, {din}] with g={groups}, got {list(weight.shape)}")
     require(x.dtype == weight.dtype, "grouped_linear", f"x is {x.dtype} but weight is {weight.dtype}")
     dout = weight.shape[0] // groups
-    v = linear.variant(n, dout, din, groups, dtypes.name(x.dtype))
+    v = linear.variant(n, dout, din, groups, dtypes.name(x.dtype), getattr(launch, "invariant", False))
     if groups == 1:  # the plain 2-D kernel
         return linear.gemm(launch.op("linear"), x.reshape(n, din).contiguous(), weight.contiguous(), v).view(n, 1, dout)
     return linear.gemm(launch.op("linear"), x.contiguous(), weight.contiguous().view(groups, dout, din), v)

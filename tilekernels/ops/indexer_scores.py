@@ -145,14 +145,16 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def variant(q: torch.Tensor, shared: bool, keys: torch.dtype | None = None) -> Variant:
+def variant(q: torch.Tensor, shared: bool, keys: torch.dtype | None = None, invariant: bool = False) -> Variant:
     """The kernel variant `run` launches for q [S, nI, dI] and a store of dtype `keys` (None: q's); no tensor values
-    are read (meta tensors work)."""
+    are read (meta tensors work). `invariant`: shared rows keep the per-query key tile (BLOCK_E), so that a score's
+    head sum runs over the same register layout in prefill (shared keys) and decode (each query's own)."""
     _, heads, dim = q.shape
     h, d, name = _round_up(heads, HEAD_ALIGN), _round_up(dim, DIM_ALIGN), dtypes.name(q.dtype)
     kdt = None if keys is None or keys == q.dtype else dtypes.name(keys)
     if shared:
-        return Variant(h, d, name, True, max(1, min(SHARED_BLOCK_Q, SHARED_COLUMNS // h)), SHARED_BLOCK_E, kdt)
+        block_e = BLOCK_E if invariant else SHARED_BLOCK_E
+        return Variant(h, d, name, True, max(1, min(SHARED_BLOCK_Q, SHARED_COLUMNS // h)), block_e, kdt)
     return Variant(h, d, name, False, keys=kdt)
 
 
@@ -215,7 +217,7 @@ def run(launch, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scal
     if s == 0 or e == 0:
         return torch.zeros(s, e, dtype=torch.float32, device=q.device)
     require(keys.shape[0] > 0, NAME, "rows given but the store has no rows")
-    v = variant(q, rows.dim() == 1, keys.dtype)
+    v = variant(q, rows.dim() == 1, keys.dtype, getattr(launch, "invariant", False))
     qq, w = pad_queries(q, weights, v.block_q, v.heads, v.dim)
     store = keys.contiguous() if v.dim == d else torch.nn.functional.pad(keys, (0, v.dim - d))
     idx = pad_rows(rows, v.shared, v.block_e)

@@ -137,15 +137,20 @@ TARGET_PROGRAMS = 256  # split K until about this many programs run (small GEMMs
 ROW_BUCKETS = (64, 511)  # decode-sized (narrow tiles) | medium (split K) | large (plain)
 
 
-def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16") -> Variant:
+def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16", invariant: bool = False) -> Variant:
     """The one place the GEMM variant of a call is chosen, by row bucket, so a model needs three variants per
     projection at most: up to 64 rows use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a
     power of two, each slice at least 256 deep and a whole number of 64-wide K tiles) until there are enough
-    programs; from 512 rows on, the row tiles alone are enough. Ragged K never splits."""
+    programs; from 512 rows on, the row tiles alone are enough. Ragged K never splits. `invariant`: the split is
+    the decode bucket's at every row count (a row's K order is then a function of the shape alone; the tile still
+    follows the rows, which changes no row's sum: tests/gpu/test_batch_invariance_gpu.py)."""
+    k_tiles = k // 64 if k % 64 == 0 else 1
+    narrow = rows <= ROW_BUCKETS[0]
+    if invariant:
+        return Variant(n, k, dtype, groups, split_factor(True, n, k, groups, k_tiles), narrow)
     if rows > ROW_BUCKETS[1]:
         return Variant(n, k, dtype, groups)
-    narrow = rows <= ROW_BUCKETS[0]
-    return Variant(n, k, dtype, groups, split_factor(narrow, n, k, groups, k // 64 if k % 64 == 0 else 1), narrow)
+    return Variant(n, k, dtype, groups, split_factor(narrow, n, k, groups, k_tiles), narrow)
 
 
 def split_factor(narrow: bool, n: int, k: int, groups: int, k_tiles: int) -> int:
@@ -180,7 +185,7 @@ def run(launch, x: torch.Tensor, weight: torch.Tensor | BlockQuantized) -> torch
     require(x.dtype == weight.dtype, "linear", f"x is {x.dtype} but weight is {weight.dtype}")
     n, k = weight.shape
     a = x.reshape(-1, k).contiguous()
-    y = gemm(launch, a, weight.contiguous(), variant(a.shape[0], n, k, 1, dtypes.name(x.dtype)))
+    y = gemm(launch, a, weight.contiguous(), variant(a.shape[0], n, k, 1, dtypes.name(x.dtype), getattr(launch, "invariant", False)))
     return y.view(*x.shape[:-1], n)
 
 

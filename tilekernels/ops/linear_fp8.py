@@ -260,17 +260,19 @@ KERNEL = Kernel("gemm_fp8", body, configs={
 
 
 def variant(rows: int, n: int, k: int, block: tuple[int, int], ue8m0: bool, groups: int = 1,
-            dtype: str = "bfloat16") -> Variant:
+            dtype: str = "bfloat16", invariant: bool = False) -> Variant:
     """The FP8 GEMM variant of a call, by the same row buckets as the bf16 GEMM (`linear.variant`): decode
     rows take narrow tiles, and both small buckets split K (whole scale blocks, each slice >= 256 deep) until
-    about TARGET_PROGRAMS programs stream the weight."""
+    about TARGET_PROGRAMS programs stream the weight. `invariant`: the decode bucket's split at every row count."""
     from tilekernels.ops.linear import ROW_BUCKETS, split_factor
 
+    k_blocks = -(-k // block[1])
+    narrow = rows <= ROW_BUCKETS[0]
+    if invariant:
+        return Variant(n, k, dtype, tuple(block), groups, split_factor(True, n, k, groups, k_blocks), narrow, ue8m0)
     if rows > ROW_BUCKETS[1]:
         return Variant(n, k, dtype, tuple(block), groups, ue8m0=ue8m0)
-    narrow = rows <= ROW_BUCKETS[0]
-    return Variant(n, k, dtype, tuple(block), groups, split_factor(narrow, n, k, groups, -(-k // block[1])), narrow,
-                   ue8m0)
+    return Variant(n, k, dtype, tuple(block), groups, split_factor(narrow, n, k, groups, k_blocks), narrow, ue8m0)
 
 
 def weight_operands(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -292,7 +294,7 @@ def gemm(launch, x: torch.Tensor, weight: BlockQuantized, groups: int = 1) -> to
     require(weight.shape[1] == k, "linear", f"x has {k} features, the FP8 weight expects {weight.shape[1]}")
     codes, scales, ue8m0 = weight_operands(weight)
     m = x.shape[0]
-    v = variant(m, n, k, weight.block, ue8m0, groups, dtypes.name(x.dtype))
+    v = variant(m, n, k, weight.block, ue8m0, groups, dtypes.name(x.dtype), getattr(launch, "invariant", False))
     a, sa = act_quant.run(launch.op("act_quant"), x.reshape(-1, k), weight.block[1], ue8m0)
     a, sa = a.view(torch.uint8).view(m, groups * k), sa.view(m, -1)
     out_shape = (m, groups * n)

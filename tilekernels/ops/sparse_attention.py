@@ -212,16 +212,23 @@ _CONFIGS = {"default": Config(), "c": Config(threads=1)}
 KERNELS = (Kernel("split", split_body, configs=_CONFIGS, overrides=(Override("sm90", hopper.fits, hopper.body),)),
            Kernel("combine", combine_body, configs=_CONFIGS))
 MAX_SPLITS = 16
+INVARIANT_SPLIT_ROWS = 256  # KV rows per split in batch-invariant mode (a multiple of hopper.SPLIT_ROWS)
+INVARIANT_PARTIAL_BYTES = 1 << 30  # batch-invariant mode: queries per launch so that the fp32 partials stay below
 TARGET_TILES = 256  # aim for at least this many tiles in flight when choosing splits
 
 
 def plan(queries: int, heads: int, rows: int, block_h: int = 16, block_k: int = 32,
-         wide: bool = False) -> tuple[int, int]:
+         wide: bool = False, invariant: bool = False) -> tuple[int, int]:
     """(splits, blocks per split) for `rows` KV rows per query: split until there are enough tiles.
     Runtime sizes only (the split count is no part of the variant). `wide`: variants that the sm90 override
     runs 64 heads to a CTA (`hopper.fits`): splits are whole `hopper.SPLIT_ROWS`-row steps, balanced, about
-    `hopper.TARGET_CTAS` CTAs (one wave at one CTA per SM). Any split count is valid for the portable body."""
+    `hopper.TARGET_CTAS` CTAs (one wave at one CTA per SM). Any split count is valid for the portable body.
+    `invariant`: every split `INVARIANT_SPLIT_ROWS` rows of the list, whatever the batch: a query's rows fall in the
+    same splits in prefill and decode (a longer list only adds empty splits, which merge as exact no-ops)."""
     blocks = max(1, -(-rows // block_k))
+    if invariant:
+        per_split = max(1, INVARIANT_SPLIT_ROWS // block_k)
+        return -(-blocks // per_split), per_split
     if wide:
         group = max(1, hopper.SPLIT_ROWS // block_k)
         steps = -(-blocks // group)
@@ -259,15 +266,21 @@ def run(launch, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks:
         sinks = torch.nn.functional.pad(sinks, (0, h - heads))
     if dp != d:
         kv = torch.nn.functional.pad(kv, (0, dp - d))
-    splits, per_split = plan(s, h, indices.shape[1], v.block_h, v.block_k, hopper.fits(v))
+    invariant = getattr(launch, "invariant", False)
+    splits, per_split = plan(s, h, indices.shape[1], v.block_h, v.block_k, hopper.fits(v), invariant)
     idx = torch.full((s, splits * per_split * v.block_k), -1, dtype=torch.int32, device=q.device)
     idx[:, : indices.shape[1]] = indices
     idx = idx.view(s, splits, per_split, v.block_k)
-    o_part = torch.empty(s, splits, h, dp, dtype=torch.float32, device=q.device)
-    stats = torch.empty(s, splits, h, 2, dtype=torch.float32, device=q.device)
-    launch("split", v)(q.contiguous(), kv.contiguous(), idx, o_part, stats, float(scale))
+    q, kv, sinks = q.contiguous(), kv.contiguous(), sinks.float().contiguous()
     out = torch.empty_like(q)
-    launch("combine", v)(o_part, stats, sinks.float().contiguous(), out)
+    # the invariant plan's splits do not shrink with many queries: launch them in groups (each query is its own)
+    group = max(1, INVARIANT_PARTIAL_BYTES // (splits * h * dp * 4)) if invariant else max(s, 1)
+    for first in range(0, s, group):
+        n = min(group, s - first)
+        o_part = torch.empty(n, splits, h, dp, dtype=torch.float32, device=q.device)
+        stats = torch.empty(n, splits, h, 2, dtype=torch.float32, device=q.device)
+        launch("split", v)(q[first:first + n], kv, idx[first:first + n], o_part, stats, float(scale))
+        launch("combine", v)(o_part, stats, sinks, out[first:first + n])
     if h != heads or dp != d:
         return out[:, :heads, :d].contiguous()
     return out
