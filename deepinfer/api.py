@@ -31,7 +31,8 @@ class LLM:
 
     model: an HF-format model directory (V4.1: also DeepSeek's own config spelling); None means
     `DEEPINFER_HF_MODEL_DIR`, and when that is unset too, the embedded tiny model with random weights
-    (`deepinfer.tiny`).
+    (`deepinfer.tiny`). batch_invariant: the batch-invariant ops, so that a request's tokens do not depend on what
+    it is batched with (DeepSeek-V4 only); None means `DEEPINFER_BATCH_INVARIANT` (off when unset).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class LLM:
         show_progress: bool = False,
         quantization: str = "auto",
         async_scheduling: bool = True,
+        batch_invariant: bool | None = None,
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
@@ -59,13 +61,15 @@ class LLM:
     ):
         args = {k: v for k, v in locals().items() if k in _LLM_ARGS}
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                      gpu_memory_utilization, random_seed, quantization)
+                      gpu_memory_utilization, random_seed, quantization, batch_invariant)
         self.parallel = ParallelConfig(data_parallel_size, tensor_parallel_size, enable_expert_parallel)
         eplb = eplb_config(self.parallel, enable_eplb, eplb_redundant_experts, eplb_step_interval)
         self.last_stats: RunStats | None = None
         self._pool = self._comm = None
         rank = launched_rank(self.parallel) if self.parallel.world > 1 else None
         env = Env.read()
+        self.batch_invariant = args["batch_invariant"] = (env.batch_invariant if batch_invariant is None
+                                                          else batch_invariant)
         model = model if model is not None else env.hf_model_dir
         self.model_dir = Path(model) if model is not None else None
         self.random_weights = self.model_dir is None
@@ -79,6 +83,9 @@ class LLM:
         v41 = isinstance(cfg, V41Config)
         if v41:  # before the backend resolves: a target V4.1 does not run on is refused on any machine
             check_v41_backend(backend if backend is not None else env.accelerator)
+            if self.batch_invariant:
+                raise ConfigError("batch invariance is implemented for DeepSeek-V4 only so far; DeepSeek-V4.1 runs "
+                                  "without it: leave batch_invariant (--batch-invariant, DEEPINFER_BATCH_INVARIANT) off")
         if self.parallel.world > 1:
             if v41:
                 raise ConfigError("data_parallel_size / tensor_parallel_size > 1 run DeepSeek-V4 only; DeepSeek-V4.1 "
@@ -93,7 +100,7 @@ class LLM:
             from deepinfer.parallel.ranks import join
 
             self._comm = join(rank, backend, env)
-        self.backend = select_backend(backend, env.cache_dir, env)
+        self.backend = select_backend(backend, env.cache_dir, env, invariant=self.batch_invariant)
         torch_dtype = resolve_dtype(dtype, self.backend.target.default_dtype)
         self.max_model_len = model_len(cfg, max_model_len)
         # checked before the weights load: the tokenizer, the cache's size against memory, the checkpoint's files
@@ -103,7 +110,7 @@ class LLM:
         log.info("deepinfer: start-up: tokenizer %.2f s (%s)", time.perf_counter() - begin, self.recipe.path)
         self.keep_quantized = quantization == "auto"  # FP8 / FP4 checkpoint tensors stay quantized (V4 and V4.1)
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
-                             quantization, show_progress)
+                             quantization, show_progress, batch_invariant=self.batch_invariant)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:
@@ -126,6 +133,8 @@ class LLM:
             return self._description
         ops = f"TileLang kernels for {self.backend.kernel_target}" if self.backend.kernel_target else "PyTorch reference ops"
         spec = self.cache.spec
+        if self.batch_invariant:
+            ops += ", batch-invariant"
         line = (f"model {self.model_dir or 'tiny-random'} ({self.config.num_hidden_layers} layers, {self.model.dtype}), "
                 f"tokenizer {self.recipe.path} ({self.recipe.encoding_name} encoding), backend {self.backend.name} "
                 f"({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, max {self.engine.max_len} "
@@ -336,6 +345,7 @@ class LLM:
 
 _LLM_ARGS = ("model", "backend", "dtype", "tokenizer", "max_num_seqs", "max_prefill_tokens", "max_model_len", "num_blocks",
              "gpu_memory_utilization", "random_seed", "show_progress", "quantization", "async_scheduling",
+             "batch_invariant",
              "data_parallel_size", "tensor_parallel_size", "enable_expert_parallel", "enable_eplb",
              "eplb_redundant_experts", "eplb_step_interval")
 

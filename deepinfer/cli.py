@@ -20,7 +20,9 @@ import click
 
 import backends
 
+from deepinfer.cli_output import summary as _summary, write as _write
 from deepinfer.errors import ConfigError, DeepInferError, RequestError
+from deepinfer.runtime.sampling import MAX_LOGPROBS
 
 
 def _process_age() -> float:
@@ -66,7 +68,8 @@ def run() -> None:
 @click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL, either plain prompts (one object per line with 'prompt', 'messages' or 'token_ids', and "
                    "optionally max_new_tokens, temperature, top_p, top_k, min_p, presence_penalty, "
-                   "frequency_penalty, repetition_penalty, logit_bias, seed, stop, thinking, so_args, "
+                   "frequency_penalty, repetition_penalty, logit_bias, seed (or seq_seed), logprobs, stop, thinking, "
+                   "so_args, "
                    "max_reasoning_tokens) or requests in an API's own shape, as OpenAI batch lines "
                    "({\"custom_id\", \"url\": \"/v1/chat/completions\" | \"/v1/responses\" | \"/v1/messages\", "
                    "\"body\"}), answered as OpenAI batch-output lines. A bad line gets an error record; the others run.")
@@ -87,6 +90,9 @@ def run() -> None:
 @click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="1 = off.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (per request; default random).")
+@click.option("--logprobs", type=click.IntRange(0, MAX_LOGPROBS), default=None,
+              help="Return each generated token's logprob and the N most likely tokens' (log_softmax of the raw "
+                   "logits, before penalties, temperature and filters; 0 = the sampled token's only) [default: off].")
 @click.option("--stop", "stop", multiple=True, help="A stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="Compute dtype of the weights; auto = the target's default (float32 on the CPU, bfloat16 on GPUs/NPUs).")
@@ -113,6 +119,9 @@ def run() -> None:
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Prepare the next decode step on the CPU while the device runs this one (same outputs).")
+@click.option("--batch-invariant/--no-batch-invariant", default=None,
+              help="Batch-invariant ops: a request's tokens do not depend on what it is batched with (DeepSeek-V4) "
+                   "[default: $DEEPINFER_BATCH_INVARIANT, else off].")
 @click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Data-parallel attention ranks (each schedules its share of the requests and owns its cache).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
@@ -154,7 +163,7 @@ def offline(**options) -> None:
 EXIT_FAILED_REQUESTS = 3
 EXIT_INTERRUPTED = 130
 _SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed")
+                   "repetition_penalty", "seed", "logprobs")
 
 
 def _interrupt(signum, frame) -> None:
@@ -174,7 +183,7 @@ class _Item:
 
 def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
              max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, async_scheduling=True,
-             data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
+             batch_invariant=None, data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
              eplb_redundant_experts=0, eplb_step_interval=1000, explicit=frozenset(), **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
@@ -250,6 +259,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
         llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
                   show_progress=True, quantization=quantization, async_scheduling=async_scheduling,
+                  batch_invariant=batch_invariant,
                   data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                   enable_expert_parallel=enable_expert_parallel, enable_eplb=enable_eplb,
                   eplb_redundant_experts=eplb_redundant_experts, eplb_step_interval=eplb_step_interval)
@@ -270,7 +280,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
     llm.close()
     if not leads:
         return 0
-    _summary(llm.last_stats, n)
+    _summary(llm.last_stats, n, _START)
     if failed:
         click.echo(f"deepinfer: {failed} of {n} request(s) failed (see their error records)", err=True)
         return EXIT_FAILED_REQUESTS
@@ -356,41 +366,6 @@ def _parse_ids(spec: str) -> list[int]:
     if not ids or min(ids) < 0:
         raise click.BadParameter(f"{spec!r}: token ids must be integers >= 0, at least one", param_hint="--token-ids")
     return ids
-
-
-def _write(record, fmt: str, stream: TextIO) -> None:
-    from deepinfer.runtime.request import RequestFailure
-
-    if fmt == "jsonl":
-        stream.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
-    elif isinstance(record, RequestFailure):
-        stream.write(f"=== request {record.index} ({record.source}): error ===\n{record.error}\n")
-    else:
-        o = record
-        stream.write(f"=== request {o.index} ({o.num_prompt_tokens} prompt tokens, {o.num_generated_tokens} generated, "
-                     f"finish: {o.finish_reason}) ===\n")
-        if o.reasoning_content:
-            stream.write(f"[thinking]\n{o.reasoning_content}\n[answer]\n")
-        stream.write(o.text + "\n")
-        if o.tool_calls:
-            stream.write(f"[tool calls] {json.dumps(o.tool_calls, ensure_ascii=False)}\n")
-    stream.flush()
-
-
-def _summary(stats, n_requests: int) -> None:
-    if stats is None:
-        return
-    decode_rate = stats.decode_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
-    prefill_rate = stats.prompt_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0
-    ttft = (stats.first_token_time - _START) if stats.first_token_time else float("nan")
-    click.echo(
-        f"deepinfer: {n_requests} request(s), {stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens; "
-        f"prefill {prefill_rate:.1f} tok/s, decode {decode_rate:.1f} tok/s ({stats.decode_steps} steps); "
-        f"first token {ttft:.2f} s after start" + (f"; {stats.preemptions} preemption(s)" if stats.preemptions else "")
-        + (f"; experts max/mean per rank {stats.expert_balance:.3f} ({stats.expert_rebalances} rebalance(s))"
-           if stats.expert_balance is not None else ""),
-        err=True,
-    )
 
 
 _register()

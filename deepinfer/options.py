@@ -89,7 +89,7 @@ def _count(value: Any) -> bool:
 
 
 def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                  gpu_memory_utilization, random_seed, quantization="auto") -> None:
+                  gpu_memory_utilization, random_seed, quantization="auto", batch_invariant=None) -> None:
     """Types and ranges of LLM's arguments, before anything is loaded."""
     _option("model", model, model is None or isinstance(model, (str, Path)), "a model directory path (str or Path) or None")
     _option("backend", backend, backend is None or isinstance(backend, str), "a target name or None")
@@ -108,6 +108,8 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
             and 0 <= random_seed < 2**63, "an integer in [0, 2**63)")
     _option("quantization", quantization, quantization in QUANTIZATIONS,
             "'auto' (FP8/FP4 checkpoint tensors kept in their own precision) or 'none' (dequantized to dtype)")
+    _option("batch_invariant", batch_invariant, batch_invariant is None or isinstance(batch_invariant, bool),
+            "True, False or None ($DEEPINFER_BATCH_INVARIANT)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
                           "path, or None for the model directory's own (else the V4 default)")

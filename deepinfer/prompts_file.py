@@ -55,6 +55,8 @@ def plain_line(obj: dict[str, Any], thinking: bool) -> tuple[dict[str, Any], dic
     if unknown:
         raise RequestError(f"unknown key(s) {unknown}; accepted: {', '.join(_ITEM_KEYS)}, {', '.join(_OVERRIDES)}, "
                            "or an API request line with 'body'")
+    if "seq_seed" in overrides and "seed" not in overrides:  # the alias overrides --seed as `seed` would
+        overrides["seed"] = overrides.pop("seq_seed")
     if "messages" in item:
         item.setdefault("thinking", thinking)
     return item, overrides

@@ -10,7 +10,9 @@ that finished at step N still has a row in step N+1 (computed, then dropped); it
 only once step N+1 has landed, so no block a step in flight reads is freed or reused. Whenever the scheduler
 could do anything but decode the same requests again (admit, prefill, preempt), the flight lands first and
 scheduling proceeds as without overlap. Tokens depend only on each row's logits, parameters, seed and position,
-so the outputs are the same either way wherever a row's logits do not depend on its batch (docs/serving.md)."""
+so the outputs are the same either way wherever a row's logits do not depend on its batch (docs/serving.md).
+The logprobs rows ask for (`runtime/logprobs.py`) are begun from the step's raw logits before sampling and come
+back with its tokens, in the same copy."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Callable
 import torch
 
 from deepinfer.runtime.blocks import SlotBlocks
-from deepinfer.runtime.request import Request, RequestOutput
+from deepinfer.runtime.logprobs import StepLogprobs
+from deepinfer.runtime.request import Request, RequestOutput, TokenLogprobs
 from deepinfer.runtime.sampler import Features, History, PenaltyState, SamplerGraphs, pack, select_tokens
 from deepinfer.runtime.scheduler import PrefillStep, Scheduler, SchedulerConfig
 from deepinfer.runtime.staging import DeviceIds, TokenReadback
@@ -53,6 +56,7 @@ class _Flight:
     requests: list[Request]
     tokens: torch.Tensor  # [n] on the device
     readback: TokenReadback
+    logprobs: StepLogprobs | None = None  # the rows that asked for logprobs (their values come with the tokens)
 
 
 class Engine:
@@ -148,8 +152,9 @@ class Engine:
         begin = time.perf_counter()
         logits = self.steps.prefill(ids, positions, seqs, logit_rows)
         if sampling:
-            tokens = TokenReadback(self._sample(sampling, logits, stats, decode=False)).tokens()
-            for r in self._append(sampling, tokens):
+            _, readback, asked = self._sample_step(sampling, logits, stats, decode=False)
+            tokens = readback.tokens()
+            for r in self._append(sampling, tokens, _logprobs(asked, readback, tokens)):
                 scheduler.finish(r)
                 finished(r)
         stats.prefill_seconds += time.perf_counter() - begin
@@ -167,8 +172,7 @@ class Engine:
             meanwhile()
         live = [r.finish_reason is None for r in reqs]
         stats.dropped_rows += live.count(False)
-        tokens = self._sample(reqs, logits, stats, decode=True, live=live)
-        return _Flight(reqs, tokens, TokenReadback(tokens))
+        return _Flight(reqs, *self._sample_step(reqs, logits, stats, decode=True, live=live))
 
     def _follow(self, flight: _Flight, scheduler: Scheduler, stats: RunStats, finished) -> _Flight | None:
         """With a step in flight: launch the next decode step of the same requests (fed the flight's tokens on the
@@ -195,7 +199,9 @@ class Engine:
             scheduler.release(r)
         rows = [i for i, r in enumerate(flight.requests) if r.finish_reason is None]
         stats.decode_tokens += len(rows)
-        for r in self._append([flight.requests[i] for i in rows], [tokens[i] for i in rows]):
+        logprobs = _logprobs(flight.logprobs, flight.readback, tokens)
+        for r in self._append([flight.requests[i] for i in rows], [tokens[i] for i in rows],
+                              [logprobs[i] for i in rows]):
             scheduler.retire(r)
             if nxt is not None and r in nxt:
                 self._held.append(r)
@@ -207,11 +213,17 @@ class Engine:
         """Whether the request finishes on the token in flight whatever it is (its length limits)."""
         return len(r.generated) + 1 >= r.params.max_new_tokens or r.num_tokens + 1 >= self.max_len
 
-    def _append(self, reqs: list[Request], tokens: list[int]) -> list[Request]:
-        """Append each request's token (detokenize, stop checks, grammar advance); the requests that finished."""
+    def _append(self, reqs: list[Request], tokens: list[int],
+                logprobs: list[TokenLogprobs | None]) -> list[Request]:
+        """Append each request's token (and its logprobs, when it asked; detokenize, stop checks, grammar advance);
+        the requests that finished."""
         now, done = time.perf_counter(), []
-        for r, token in zip(reqs, tokens):
+        for r, token, lp in zip(reqs, tokens, logprobs):
             r.generated.append(token)
+            if lp is not None:
+                if r.logprobs is None:
+                    r.logprobs = []
+                r.logprobs.append(lp)
             if r.first_token_time is None:
                 r.first_token_time = now
             if r.constraint is not None:
@@ -220,7 +232,7 @@ class Engine:
                 r.output.push_stop_token()
                 r.finish_reason = "stop"
             else:
-                r.output.push(token)
+                r.output.push(token, lp)
                 if r.output.stopped or (r.constraint is not None and r.constraint.done):
                     r.finish_reason = "stop"
                 elif len(r.generated) >= r.params.max_new_tokens or r.num_tokens >= self.max_len:
@@ -228,6 +240,14 @@ class Engine:
             if r.finish_reason is not None:
                 done.append(r)
         return done
+
+    def _sample_step(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats, decode: bool,
+                     live: list[bool] | None = None) -> tuple[torch.Tensor, TokenReadback, StepLogprobs | None]:
+        """The step's tokens [n] (a device tensor), their readback (with the logprobs of the rows that asked,
+        begun from the raw logits before `_sample` masks them in place), and those rows."""
+        asked = StepLogprobs.of(logits, [r.params for r in reqs])
+        tokens = self._sample(reqs, logits, stats, decode, live)
+        return tokens, TokenReadback(tokens, None if asked is None else asked.pack(tokens)), asked
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, stats: RunStats, decode: bool,
                 live: list[bool] | None = None) -> torch.Tensor:
@@ -280,4 +300,12 @@ class Engine:
             response=parsed["response"] if r.custom_id is not None else None,
             chunks=r.output.chunks,
             custom_id=r.custom_id,
+            logprobs=list(r.logprobs or ()) if r.params.logprobs is not None else None,
         )
+
+
+def _logprobs(asked: StepLogprobs | None, readback: TokenReadback, tokens: list[int]) -> list[TokenLogprobs | None]:
+    """One entry per row of a landed step: its logprobs, or None where the row did not ask."""
+    if asked is None:
+        return [None] * len(tokens)
+    return asked.unpack(readback.extra(), tokens, len(tokens))

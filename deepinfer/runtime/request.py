@@ -27,6 +27,7 @@ class Request:
     arrival: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when params.logprobs asks
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -58,6 +59,20 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's logprob and the most likely tokens' (`SamplingParams.logprobs` of them): log_softmax of
+    the model's raw fp32 logits of the step, before masks, logit_bias, penalties, temperature and filters; `top`
+    is (token id, logprob) in descending logprob order, ties toward the lower token id."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(pair) for pair in self.top]}
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     index: int
     prompt: str | None
@@ -73,6 +88,7 @@ class RequestOutput:
     response: dict[str, Any] | None = None  # the API's response object
     chunks: list[dict[str, Any]] | None = None  # its stream of chunks, when streaming
     custom_id: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token (token_ids), when asked for
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,6 +112,8 @@ class RequestOutput:
             out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
+        if self.logprobs is not None:
+            out["logprobs"] = [e.to_dict() for e in self.logprobs]
         return out
 
 

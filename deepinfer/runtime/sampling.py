@@ -15,6 +15,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
 MAX_LOGIT_BIAS = 1024  # entries per request (the graph-captured sampler holds this many per row)
 PENALTY_RANGE = (-2.0, 2.0)
+MAX_LOGPROBS = 20  # most likely alternatives reported per generated token (the OpenAI APIs' bound)
 
 
 def _real(value: Any) -> bool:
@@ -39,6 +40,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N = each generated token's logprob and the N most likely tokens'
+    seq_seed: int | None = None  # an alias of `seed`, moved into it when the params are made (then None)
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -73,7 +76,18 @@ class SamplingParams:
         _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"<{len(bias)} entries>",
                f"at most {MAX_LOGIT_BIAS} entries")
         object.__setattr__(self, "logit_bias", bias)
+        if self.seq_seed is not None:
+            _check(_int(self.seq_seed) and self.seq_seed >= 0, "seq_seed", self.seq_seed,
+                   "an integer >= 0 or null (an alias of seed)")
+            if self.seed is not None and self.seed != self.seq_seed:
+                raise RequestError(f"sampling parameters seed={self.seed!r} and seq_seed={self.seq_seed!r} disagree; "
+                                   "seq_seed is an alias of seed: give one, or the same value")
+            object.__setattr__(self, "seed", self.seq_seed)
+            object.__setattr__(self, "seq_seed", None)
         _check(self.seed is None or (_int(self.seed) and self.seed >= 0), "seed", self.seed, "an integer >= 0 or null")
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               self.logprobs, f"null (off) or an integer in [0, {MAX_LOGPROBS}]: 0 = the sampled token's logprob "
+               "only, N = also the N most likely tokens'")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "true or false")
 
     @classmethod

@@ -58,15 +58,16 @@ class InputStage:
 
 
 class TokenReadback:
-    """Sampled tokens [n] (a device tensor) copied to pinned host memory without waiting; `tokens()` waits for
-    that copy only (not for later work queued on the device) and returns them as Python ints."""
+    """Sampled tokens [n] (a device tensor), and optionally a tensor of the same step's extras (its logprobs),
+    copied to pinned host memory without waiting; `tokens()` / `extra()` wait for those copies only (not for later
+    work queued on the device) and return them as Python lists."""
 
-    def __init__(self, tokens: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, extra: torch.Tensor | None = None):
         if not _is_accelerator(tokens.device):
-            self._host, self._event = tokens, None
+            self._host, self._extra, self._event = tokens, extra, None
             return
-        self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        self._host.copy_(tokens, non_blocking=True)
+        self._host = _pinned_copy(tokens)
+        self._extra = None if extra is None else _pinned_copy(extra)
         self._event = torch.Event(device=tokens.device)
         self._event.record()
 
@@ -74,6 +75,17 @@ class TokenReadback:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def extra(self) -> list | None:
+        if self._event is not None:
+            self._event.synchronize()
+        return None if self._extra is None else self._extra.tolist()
+
+
+def _pinned_copy(values: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
 
 
 class DeviceIds:

@@ -8,8 +8,10 @@ Every body field is honoured or refused: each API's own fields that deepinfer se
 extensions, read from the body and removed before conversion: `so_args` (structured output),
 `max_reasoning_tokens` (a thinking budget after which `</think>` is forced; Anthropic's
 `thinking.budget_tokens` sets it too) and the sampler's `top_k`, `min_p`, `presence_penalty`,
-`frequency_penalty`, `repetition_penalty`, `logit_bias`, `seed` and `ignore_eos`. Any other field, or a value
-deepinfer cannot honour (`logprobs: true`, `store: true`, ...), gets a 400 naming it. A Messages request
+`frequency_penalty`, `repetition_penalty`, `logit_bias`, `seed` (alias `seq_seed`) and `ignore_eos`. Any other
+field, or a value deepinfer cannot honour (`store: true`, ...), gets a 400 naming it. Logprobs (Chat Completions
+`logprobs` / `top_logprobs`; Responses `include: ["message.output_text.logprobs"]` with `top_logprobs`) are
+computed by the engine and put into the response and its chunks by deepseek-recipe's stream processor. A Messages request
 without `max_tokens` is refused, as Anthropic's API does; the other APIs without a bound get deepseek-recipe's
 default (8192 tokens, 65536 in thinking mode), capped by the context left after the prompt.
 """
@@ -45,8 +47,9 @@ FIELDS = {
 }
 # deepinfer's sampling and decoding extensions, read from any API's body (removed before conversion)
 SAMPLING_EXTENSIONS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                       "logit_bias", "seed", "ignore_eos")
+                       "logit_bias", "seed", "seq_seed", "ignore_eos")
 EXTENSIONS = ("so_args", "max_reasoning_tokens") + SAMPLING_EXTENSIONS
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the Responses API's request for output logprobs
 
 
 @dataclass(frozen=True)
@@ -113,15 +116,15 @@ def _refuse_unsupported(api: str, body: dict[str, Any]) -> None:
     if unknown:
         raise _BadParam(unknown[0], f"unsupported parameter(s) {unknown} for {APIS[api]}; supported: "
                                     f"{', '.join(sorted(FIELDS[api]))}, and deepinfer's {', '.join(EXTENSIONS)}")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and set(include) <= {LOGPROBS_INCLUDE}):
+        raise _BadParam("include", f"include={include!r}: only {LOGPROBS_INCLUDE!r} is supported (no encrypted "
+                                   "reasoning, no tool outputs)")
     refusals = {
-        "logprobs": "logprobs are not supported yet (they come with batch-invariant decoding)",
-        "top_logprobs": "top_logprobs are not supported yet (they come with batch-invariant decoding)",
-        "include": "'include' is not supported (no logprobs, no encrypted reasoning, no tool outputs)",
         "store": "responses are not stored by deepinfer (offline batches): leave 'store' out or set it false",
         "truncation": "only truncation 'disabled' is supported (a prompt longer than the context is refused)",
     }
-    defaults = {"logprobs": (False,), "top_logprobs": (0,), "include": ([],), "store": (False,),
-                "truncation": ("disabled",)}
+    defaults = {"store": (False,), "truncation": ("disabled",)}
     for name, message in refusals.items():
         if name in body and body[name] is not None and body[name] not in defaults[name]:
             raise _BadParam(name, f"{name}={body[name]!r}: {message}")
@@ -212,7 +215,8 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
         max_tokens = request.resolve_max_tokens(len(ids), context_limit)
         seed = sampling.pop("seed", inference.seed)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=inference.temperature if inference.temperature
-                                is not None else 1.0, top_p=inference.top_p or 1.0, seed=seed, **sampling)
+                                is not None else 1.0, top_p=inference.top_p or 1.0, seed=seed,
+                                logprobs=_logprobs(api, body, inference), **sampling)
         validate(ids, max_tokens, constraint, params, thinking_mode, budget)
     except dr.ConversionError as exc:
         return APIError(custom_id, exc.status_code, _reshape(json.loads(exc.body), api))
@@ -232,8 +236,19 @@ def convert(recipe: Recipe, line: dict[str, Any], index: int, context_limit: int
     prompt = EncodedPrompt(ids, request)
     output = OutputProcessor(recipe, prompt, (), rid, api=api, generator=generator,
                              response=response_cls(rid, model, int(time.time()), len(ids), 0), keep_chunks=stream,
-                             sink=(lambda chunk: on_chunk(custom_id, chunk)) if stream and on_chunk else None)
+                             sink=(lambda chunk: on_chunk(custom_id, chunk)) if stream and on_chunk else None,
+                             with_logprobs=params.logprobs is not None)
     return APIRequest(custom_id, api, prompt, params, constraint, thinking_mode, budget, output)
+
+
+def _logprobs(api: str, body: dict[str, Any], inference: Any) -> int | None:
+    """`SamplingParams.logprobs` for a request: Chat Completions `logprobs: true` (with `top_logprobs`, both checked
+    by deepseek-recipe), Responses `include: ["message.output_text.logprobs"]` (with `top_logprobs`); else None."""
+    if api == "chat.completions":
+        wanted = inference.logprobs
+    else:
+        wanted = api == "responses" and LOGPROBS_INCLUDE in (body.get("include") or ())
+    return (inference.top_logprobs or 0) if wanted else None
 
 
 def _construct(cls: Any, body: dict[str, Any]) -> Any:

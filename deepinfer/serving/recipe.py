@@ -161,7 +161,9 @@ class OutputProcessor:
 
     def __init__(self, recipe: Recipe, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str,
                  api: str = "chat.completions", generator: Any = None, response: Any = None, keep_chunks: bool = False,
-                 sink: Callable[[dict[str, Any]], None] | None = None):
+                 sink: Callable[[dict[str, Any]], None] | None = None, with_logprobs: bool = False):
+        """`with_logprobs`: the request asked for logprobs; `push` hands each token's to the stream processor, which
+        puts them in the response and its chunks."""
         dr = recipe._dr
         request = prompt.conversation
         if request is None:  # raw text / token ids: plain decoding, no thinking or tool-call parsing
@@ -172,7 +174,7 @@ class OutputProcessor:
             options = request.parsing_options
         if stop:
             options.stop_sequences = list(options.stop_sequences) + list(stop)
-        self._dr, self.api = dr, api
+        self._dr, self.api, self.with_logprobs = dr, api, with_logprobs
         if generator is None:
             generator = dr.ChatCompletionRequest.chunk_generator(request, request_id, SERVED_MODEL_NAME)
         if response is None:
@@ -204,8 +206,12 @@ class OutputProcessor:
         """True once a stop string has appeared in the output (the processor then ends the stream)."""
         return self._processor.finished
 
-    def push(self, token_id: int) -> None:
-        self._feed(self._dr.InferenceChunk.tokens([token_id]))
+    def push(self, token_id: int, logprobs: Any = None) -> None:
+        """`logprobs`: the token's `TokenLogprobs` (used when the request asked for them)."""
+        if logprobs is not None and self.with_logprobs:
+            self._feed(self._dr.InferenceChunk.tokens([token_id], [(logprobs.logprob, logprobs.top)]))
+        else:
+            self._feed(self._dr.InferenceChunk.tokens([token_id]))
 
     def push_stop_token(self) -> None:
         """Count the end-of-sentence token in the usage (it is generated, but has no text)."""
