@@ -191,3 +191,53 @@ def within_bound(op, got: torch.Tensor, args: tuple) -> torch.Tensor:
     bound = op.error_bound(*args)
     assert (err <= bound).all(), f"max error {err.max().item():.3g}, at the bound's {(err / bound).max().item():.3g}x"
     return want
+
+
+def meta_copy(x):
+    """Meta-device copies of the tensors in `x` (nested lists / tuples kept)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(meta_copy(v) for v in x)
+    return x
+
+
+def kernels_of(name: str, variant, rows: int) -> list[tuple]:
+    """The (op, kernel, variant) items op `name` launches on its `example(variant, rows)` inputs (its `run`
+    traced on meta copies of them, as the compile plan is); [] where the trace fails (the test builds them)."""
+    from tilekernels.kernels import Recorder
+    from tilekernels.ops import DECLARED
+
+    recorder = Recorder()
+    try:
+        DECLARED[name].run(recorder.for_op(name), *meta_copy(DECLARED[name].example(variant, rows, "cpu")))
+    except Exception:  # noqa: BLE001 - nothing built ahead: the kernels are built when the test runs them
+        return []
+    return list(recorder.seen)
+
+
+def selected(request, param: str, *more: str) -> list:
+    """The values of parameter `param` (tuples with `more`) of the tests of the requesting module selected to run
+    that take them."""
+    values = []
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is request.module and spec is not None and param in spec.params:
+            if all(p in spec.params for p in more):
+                values.append(tuple(spec.params[p] for p in (param, *more)) if more else spec.params[param])
+    return values
+
+
+def prebuild_c(cache: Path, items: list[tuple]) -> None:
+    """Build `items` for the c target into `cache` in two worker processes (`codegen.driver.build_all`, the
+    project's parallel build; lowering and the C compiler are single-threaded, CI has two cores), so that the
+    tests running them load them built. A failed build is left for the test that runs the kernel to report."""
+    import os
+
+    from codegen.driver import build_all
+    from tilekernels.kernels import request
+
+    items = list(dict.fromkeys(items))
+    jobs = max(1, min(2, os.cpu_count() or 1))
+    if len(items) > 1 and jobs > 1:
+        build_all("c", items, request, cache, jobs=jobs)

@@ -13,6 +13,7 @@ import torch
 
 from deepinfer.compile.plan import kernel_plan, trace
 from deepinfer.config import ModelConfig
+from tests.helpers import meta_copy
 from tilekernels.kernels import Recorder
 from tilekernels.op import OpTable
 from tilekernels.ops import DECLARED, V41_OPS
@@ -20,20 +21,12 @@ from tilekernels.ops import DECLARED, V41_OPS
 FLASH = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "v4-flash.json"
 
 
-def _meta(x):
-    if isinstance(x, torch.Tensor):
-        return torch.empty_like(x, device="meta")
-    if isinstance(x, (list, tuple)):
-        return type(x)(_meta(v) for v in x)
-    return x
-
-
 def shadow_table(recorder: Recorder) -> OpTable:
     """Ops that compute their reference and, alongside, record what their kernel wrapper would launch for the
     same shapes (the wrapper runs on meta copies of the arguments)."""
 
     def call(name, op, *args, **kwargs):
-        op.run(recorder.for_op(name), *_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+        op.run(recorder.for_op(name), *meta_copy(args), **{k: meta_copy(v) for k, v in kwargs.items()})
         return op.reference(*args, **kwargs)
 
     impls = {name: (functools.partial(call, name, op) if op.run is not None else op.reference)
@@ -70,12 +63,24 @@ def flash_config(quantized: bool) -> ModelConfig:
     return ModelConfig.from_dict({**raw, "quantization_config": V4_QUANTIZATION} if quantized else raw)
 
 
+@functools.lru_cache(maxsize=None)
+def flash_plan(quantized: bool, keep: bool | None = None) -> tuple:
+    """The V4-Flash config's bf16 plan (a trace of its 43 layers: seconds), traced once for the tests below;
+    `keep` is kernel_plan's `quantized` (None: the config decides)."""
+    return tuple(kernel_plan(flash_config(quantized), "bfloat16", quantized=keep))
+
+
 @pytest.mark.parametrize("dtype, quantized", [("bfloat16", False), ("bfloat16", True)], ids=["bf16", "fp8-fp4-checkpoint"])
 def test_plan_covers_the_v4_flash_config_at_any_batch(dtype, quantized):
+    """The batch sizes run on V4-Flash cut to its first 5 layers, which hold each of its 43 layers' kinds
+    (attention type x MLP type; a layer's kernels follow from its kind): what they launch is the whole
+    config's plan, no more, no less (a kind the cut missed would miss kernels). 2 s where all 43 take 15."""
     cfg = flash_config(quantized)
-    plan = set(kernel_plan(cfg, dtype))
+    cut = ModelConfig.from_dict({**cfg.raw, "num_hidden_layers": 5})
+    assert set(zip(cut.layer_types, cut.mlp_layer_types)) == set(zip(cfg.layer_types, cfg.mlp_layer_types))
+    plan = set(flash_plan(quantized))
     recorder = Recorder()
-    trace(cfg, dtype, recorder, (2, 3, 17, 64, 65, 100, 300, 511, 700, 2048), context=5000)
+    trace(cut, dtype, recorder, (2, 3, 17, 64, 65, 100, 300, 511, 700, 2048), context=5000)
     assert set(recorder.seen) == plan
     kernels = {(op, kernel) for op, kernel, _ in plan}
     assert (("linear", "gemm_fp8") in kernels) == quantized and (("act_quant", "act_quant") in kernels) == quantized
@@ -83,10 +88,10 @@ def test_plan_covers_the_v4_flash_config_at_any_batch(dtype, quantized):
 
 
 def test_the_two_checkpoint_kinds_use_every_declared_kernel():
-    used = {(op, kernel) for q in (False, True) for op, kernel, _ in kernel_plan(flash_config(q), "bfloat16")}
+    used = {(op, kernel) for q in (False, True) for op, kernel, _ in flash_plan(q)}
     # the exact K-permuted FP4 decoder serves only checkpoints with an FP4 scale above 2 (known once the weights
     # are read: built at first use); the plan lists the one-multiply decoder real checkpoints take
     data_dependent = {("moe_experts", "grouped_gemm_fp4_kperm")}
     assert used == {(name, k.name) for name, op in DECLARED.items() for k in op.kernels
                     if name not in V41_OPS} - data_dependent
-    assert not any(k == "gemm_fp8" for _, k, _ in kernel_plan(flash_config(True), "bfloat16", quantized=False))
+    assert not any(k == "gemm_fp8" for _, k, _ in flash_plan(True, keep=False))

@@ -17,7 +17,17 @@ from tilekernels.ops import (DECLARED, act_quant, compress_pool, hc_post, hc_pre
 
 
 @pytest.fixture(scope="module")
-def cache(c_kernel_cache):
+def cache(c_kernel_cache, request):
+    """The session's c kernel cache, with the kernels of this module's selected cases (and of TINY_A's plan when
+    the tiny-model test runs) built ahead by two workers: each test then loads its kernels built."""
+    from deepinfer.compile.plan import kernel_plan
+    from deepinfer.config import ModelConfig
+    from tests.helpers import TINY_A, kernels_of, prebuild_c, selected
+
+    items = [item for case in selected(request, "case") for item in kernels_of(*CASES[case])]
+    if any(item.name == "test_tiny_model_through_kernels_equals_reference_path" for item in request.session.items):
+        items += kernel_plan(ModelConfig.from_dict(TINY_A), "float32")
+    prebuild_c(c_kernel_cache, items)
     return c_kernel_cache
 
 

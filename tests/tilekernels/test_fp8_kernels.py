@@ -15,7 +15,18 @@ F = "float32"
 
 
 @pytest.fixture(scope="module")
-def ops(c_kernel_cache):
+def ops(c_kernel_cache, request):
+    """The c kernels, those of the selected GEMM cases and act_quant variants built ahead by two workers
+    (`tests.helpers.prebuild_c`). Not the quantized tiny model's: its whole plan (row buckets it never runs
+    included) costs more to build ahead than the kernels it runs cost to build as it goes."""
+    from tests.helpers import kernels_of, prebuild_c, selected
+
+    items = [i for k, group, pow2 in selected(request, "k", "group", "pow2")
+             for i in kernels_of("act_quant", act_quant.Variant(k, group, F, pow2), 9)]
+    for case in selected(request, "case"):
+        v, rows = CASES[case]
+        items += kernels_of("grouped_linear" if v.groups > 1 else "linear", v, rows)
+    prebuild_c(c_kernel_cache, items)
     return kernel_table("c", c_kernel_cache)
 
 

@@ -22,11 +22,28 @@ EXPERTS = [(36, 48, 6), (48, 18, 6), (28, 40, 5), (40, 14, 5)]  # (n = 2I, k = H
 ROWS = (1, 3, 17, 65, 300)  # both row buckets the c target sees (narrow up to 64 rows, wide above)
 TOL = DECLARED["linear"].tolerance["float32"]
 C_TARGET = "c"  # TileLang's c target
+F = "float32"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("gemm-shapes")
+def cache(tmp_path_factory, request):
+    """A kernel cache with the c kernels of the selected shape tests (every row bucket) built ahead by two
+    workers (`tests.helpers.prebuild_c`): each test then loads them built."""
+    from tests.helpers import kernels_of, prebuild_c, selected
+
+    path = tmp_path_factory.mktemp("gemm-shapes")
+    items = []
+    for n, k, e in selected(request, "n", "k", "experts"):
+        items += [i for rows in (1, 17, 65) for i in kernels_of("moe_experts", moe_experts.variant(n, k, e, F), rows)]
+    for groups, n, k in selected(request, "groups", "n", "k"):
+        if (groups, n, k) in GROUPED:
+            items += [i for rows in ROWS for i in kernels_of("grouped_linear", linear.variant(rows, n, k, groups, F),
+                                                               rows)]
+    for n, k in selected(request, "n", "k"):
+        if (n, k) in LINEAR:
+            items += [i for rows in ROWS for i in kernels_of("linear", linear.variant(rows, n, k, 1, F), rows)]
+    prebuild_c(path, items)
+    return path
 
 
 @pytest.fixture(scope="module")

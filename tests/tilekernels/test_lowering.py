@@ -104,9 +104,48 @@ def source_only(name: str):
     return without_library(backends.get(name))
 
 
+def target_for(name: str):
+    return backends.get(name) if name == "ascend" else source_only(name)
+
+
+def build_quietly(name: str, case: tuple, variant, cache) -> None:
+    """Build one kernel into `cache` (in a worker process); a failure is left for its test to raise again."""
+    try:
+        Compiler(target_for(name), cache).get(request(*case, variant))
+    except Exception:  # noqa: BLE001 - nothing cached: the test builds it again and reports the error
+        pass
+
+
+# The builds the tests of this module make: (test name, the targets of one case)
+BUILDS = {"test_cuda_source_and_cubin_for_sm90a_and_sm100a": ("sm90", "sm100"),
+          "test_hc_partials_on_sm90_are_the_tensor_core_gemm": ("sm90",),
+          "test_ascend_source_without_traps": ("ascend",)}
+
+
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("kernels")
+def cache(tmp_path_factory, request):
+    """The kernels of the selected tests, built ahead into one cache by two worker processes (lowering and nvcc
+    are single-threaded: CI's two cores), the slowest first; each test then finds its kernels built (a hit costs
+    a trace) and checks them. Only the kernels of the tests selected to run are built ahead."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    path = tmp_path_factory.mktemp("kernels")
+    work = []
+    for item in request.session.items:
+        mine = getattr(item, "module", None) is request.module
+        names = BUILDS.get(getattr(item, "originalname", ""), ()) if mine else ()
+        params = getattr(item, "callspec", None)
+        for name in names:
+            case = params.params["case"]
+            work.append((name, case, params.params.get("variant", CASES[case])))
+    work = sorted(dict.fromkeys(work), key=lambda w: (w[0] != "ascend", w[1] != ("sparse_attention", "split")))
+    workers = max(1, min(2, os.cpu_count() or 1))
+    if len(work) > 1 and workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(build_quietly, *zip(*work), [path] * len(work)))
+    return path
 
 
 @pytest.mark.parametrize("case, variant", ALL, ids=IDS)

@@ -46,7 +46,17 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def ops(c_kernel_cache):
+def ops(c_kernel_cache, request):
+    """The c kernels, those of the selected cases and fixtures (their plans' V4.1 and pooling kernels) built
+    ahead by two workers (`tests.helpers.prebuild_c`)."""
+    from deepinfer.compile.plan import kernel_plan
+    from tests.helpers import kernels_of, prebuild_c, selected
+    from tests.v41_fixture import fixture
+
+    items = [item for case in selected(request, "case") for item in kernels_of(*CASES[case])]
+    for name in selected(request, "name"):
+        items += [i for i in kernel_plan(fixture(name).cfg, "float32") if i[0] in {*V41_OPS, "compress_pool"}]
+    prebuild_c(c_kernel_cache, items)
     return kernel_table("c", c_kernel_cache)
 
 
