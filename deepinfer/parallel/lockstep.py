@@ -57,13 +57,9 @@ class LockstepSteps:
     def decode(self, ids, positions, seqs):
         _, mixed, rows = self.comm.agree(True, False, len(seqs))
         if mixed:
-            logits = self.steps.graphs.run(ids, positions, seqs, eager=True)
-        else:
-            with self._static():
-                logits = self.steps.graphs.run(ids, positions, seqs, rows=rows)
-        for s in seqs:
-            s.num_tokens += 1
-        return logits
+            return self.steps.decode(ids, positions, seqs, eager=True)
+        with self._static():
+            return self.steps.decode(ids, positions, seqs, rows=rows)
 
     @torch.inference_mode()
     def drain(self) -> None:

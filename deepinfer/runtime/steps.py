@@ -72,8 +72,9 @@ class V4Steps:
     def capture_all(self) -> list[torch.Tensor]:
         return self.graphs.capture_all()
 
-    def decode(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> torch.Tensor:
-        logits = self.graphs.run(ids, positions, seqs)
+    def decode(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache], **run) -> torch.Tensor:
+        """One decode step; `run`: `DecodeGraphs.run`'s options (several ranks: `rows=`, `eager=`)."""
+        logits = self.graphs.run(ids, positions, seqs, **run)
         for s in seqs:
             s.num_tokens += 1
         return logits
