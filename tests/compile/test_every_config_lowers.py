@@ -5,8 +5,9 @@ Ascend lowers about ten times slower than the others (2 of this test's 3.5 minut
 set, and the c target's (whose kernels the tiny models also run in tests/tilekernels), leave out the TINY
 configs and the second odd config: the default model's widths are whole tiles, ODD_A's are ragged against
 every tile, and the TINY configs' sub-tile widths (16-64) and ODD_B's other ragged widths are edges of the
-kinds those two already take (the sm90 and sm100 sets add TINY_A: sub-tile widths; TINY_B and ODD_B were dropped
-there too, for the CPU suite's time). Ascend's set is ODD_A's alone: whole
+kinds those two already take (the sm90 and sm100 sets add TINY_A: sub-tile widths; TINY_B, ODD_B and the default
+model, whose widths are whole tiles as TINY_A's are, were dropped there too, for the CPU suite's time). Ascend's set
+is ODD_A's alone, with one GEMM shape per kind of ragged edge (`ASCEND_GEMMS`): whole
 tiles are what tests/tilekernels/test_lowering.py lowers every kernel at (V4-Flash widths, Ascend included).
 The c target's set is ODD_A's alone too: the default model's float32 plan on c is built whole (lowered and
 compiled, every kernel or the script fails) by tests/codegen/test_workers.py's script without a main guard.
@@ -23,7 +24,6 @@ import backends
 from backends import tl
 from deepinfer.compile.plan import kernel_plan
 from deepinfer.config import ModelConfig
-from deepinfer.tiny import tiny_config
 from tests.helpers import ODD_A, TINY_A
 from tilekernels.kernels import request
 
@@ -35,11 +35,18 @@ def plans(dtype: str, target: str) -> list[tuple]:
         cfgs = [ModelConfig.from_dict(ODD_A)]
     elif target == "c":  # the default model's plan: built on c by tests/codegen/test_workers.py (see above)
         cfgs = [ModelConfig.from_dict(ODD_A)]
-    else:  # TINY_B's and ODD_B's edges are kinds TINY_A and ODD_A already take (see the module's docstring)
-        cfgs = [tiny_config()] + [ModelConfig.from_dict(raw) for raw in (TINY_A, ODD_A)]
+    else:  # TINY_B's and ODD_B's edges are kinds TINY_A and ODD_A already take, the default model's whole tiles
+        cfgs = [ModelConfig.from_dict(raw) for raw in (TINY_A, ODD_A)]  # those TINY_A takes (module docstring)
     for cfg in cfgs:
         items.update(dict.fromkeys(kernel_plan(cfg, dtype)))
+    if target == "ascend":  # ODD_A's 12 ragged GEMM shapes: one of each kind of edge against Ascend's tiles
+        items = {it: None for it in items if it[:2] != ("linear", "gemm") or (it[2].n, it[2].k) in ASCEND_GEMMS}
     return list(items)
+
+
+# ODD_A's GEMM shapes Ascend lowers (both tiles, decode and prefill): an N of a few columns, a sub-tile N, a ragged
+# multi-tile N with a ragged K, the odd K of 18, the grouped output projection (its other shapes take the same edges)
+ASCEND_GEMMS = {(3, 48), (48, 48), (301, 48), (144, 20), (48, 18), (12, 72)}
 
 
 # The kernels that lower slowest (on Ascend most of all), handed out first: a worker takes the next kernel as it
