@@ -59,6 +59,9 @@ class Runtime(Protocol):
     def load(self, artifact_dir: Path, func: Any, pass_configs: dict[str, Any]) -> Callable[..., Any]: ...
 
 
+INVARIANCE = ("tested", "untested", "unsupported")  # what `--batch-invariant` is on a target
+
+
 @dataclass(frozen=True)
 class Target:
     """A target as data: everything the runtime and the compile path ask about it, so that nothing above this
@@ -85,6 +88,10 @@ class Target:
     # run: a warning), "unsupported" (an error naming why)
     batch_invariant: str = "tested"
     batch_invariant_note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.batch_invariant not in INVARIANCE:
+            raise ValueError(f"target {self.name}: batch_invariant={self.batch_invariant!r}; accepted: {INVARIANCE}")
 
     @property
     def kernels(self) -> bool:

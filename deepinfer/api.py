@@ -91,6 +91,10 @@ class LLM:
                 raise ConfigError("data_parallel_size / tensor_parallel_size > 1 run DeepSeek-V4 only; DeepSeek-V4.1 "
                                   "runs on one device")
             self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
+            if self.batch_invariant:  # the ranks' sums (NCCL picks its algorithm by message size) and EPLB's placement
+                raise ConfigError("batch_invariant (--batch-invariant) runs on one device: across ranks a token's sums "
+                                  "and, with EPLB, its experts' placement depend on the other traffic; leave it off or "
+                                  "run data_parallel_size = tensor_parallel_size = 1")
             if rank is None:  # start one worker per rank (deepinfer's own launcher); this object drives them
                 from deepinfer.parallel.pool import RankPool
 

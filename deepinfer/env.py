@@ -36,9 +36,11 @@ class Env:
             dist_timeout = -1.0
         if not dist_timeout > 0:
             raise ConfigError(f"DEEPINFER_DIST_TIMEOUT={timeout!r} is not valid; accepted: seconds, a number > 0")
-        invariant = (environ.get("DEEPINFER_BATCH_INVARIANT") or "0").strip().lower()
+        raw = environ.get("DEEPINFER_BATCH_INVARIANT") or "0"
+        invariant = raw.strip().lower()
         if invariant not in _FLAGS:
-            raise ConfigError(f"DEEPINFER_BATCH_INVARIANT={invariant!r} is not valid; accepted: {', '.join(_FLAGS)}")
+            raise ConfigError(f"DEEPINFER_BATCH_INVARIANT={raw!r} is not valid; accepted: {', '.join(_FLAGS)} "
+                              "(unset or empty: off)")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
                    cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant])
 

@@ -207,3 +207,31 @@ def test_a_prefill_step_that_ends_no_prompt_runs_no_head():
     logits = run.model.prefill(run.cache, torch.arange(20), torch.arange(20), [(seq, 0, 20)],
                                torch.zeros(0, dtype=torch.long))
     assert logits.shape == (0, ODD_A["vocab_size"]) and logits.dtype == torch.float32
+
+
+def test_several_ranks_refuse_the_mode():
+    import deepinfer
+
+    with pytest.raises(ConfigError, match="batch_invariant .* runs on one device"):
+        deepinfer.LLM(data_parallel_size=2, enable_expert_parallel=True, batch_invariant=True)
+
+
+def test_a_target_with_an_unknown_invariance_status_is_refused():
+    import dataclasses
+
+    import backends
+
+    with pytest.raises(ValueError, match="batch_invariant='unsuported'; accepted"):
+        dataclasses.replace(backends.get("c"), batch_invariant="unsuported")
+
+
+def test_a_quantized_weight_is_dequantized_once_per_call_not_per_piece(monkeypatch):
+    from tilekernels.quant import BlockQuantized, quantize
+
+    w = quantize(torch.randn(64, 256), "fp8", (128, 128))
+    calls = []
+    real = BlockQuantized.dequantize
+    monkeypatch.setattr(BlockQuantized, "dequantize", lambda self, dtype: calls.append(1) or real(self, dtype))
+    x = torch.randn(70, 256)
+    y = reference_table(invariant=True).linear(x, w)
+    assert len(calls) == 1 and torch.allclose(y, DECLARED["linear"].reference(x, w), atol=1e-5)

@@ -21,8 +21,10 @@ from deepinfer.serving.api_requests import APIError
 
 @pytest.fixture(scope="module")
 def pair():
-    """The same tiny model with asynchronous scheduling on and off."""
-    return deepinfer.LLM(max_num_seqs=8), deepinfer.LLM(max_num_seqs=8, async_scheduling=False)
+    """The same tiny model with asynchronous scheduling on and off, batch-invariant: a finished request's dropped
+    row changes a step's batch, which without the mode may move a logprob in its last bits."""
+    return (deepinfer.LLM(max_num_seqs=8, batch_invariant=True),
+            deepinfer.LLM(max_num_seqs=8, async_scheduling=False, batch_invariant=True))
 
 
 def ids(n: int, seed: int) -> dict:
@@ -301,3 +303,11 @@ def test_batch_invariance_refused_for_v41(tmp_path):
 
     with pytest.raises(ConfigError, match="batch invariance is implemented for DeepSeek-V4.*V4.1"):
         deepinfer.LLM(model_dir(tmp_path), batch_invariant=True)
+
+
+def test_a_responses_include_of_any_other_shape_is_a_400_not_a_crash():
+    from deepinfer.serving.api_requests import _BadParam, _refuse_unsupported
+
+    for include in ([{"x": 1}], [["message.output_text.logprobs"]], "message.output_text.logprobs", [3]):
+        with pytest.raises(_BadParam, match="include=.*only 'message.output_text.logprobs' is supported"):
+            _refuse_unsupported("responses", {"model": "m", "input": "hi", "include": include})

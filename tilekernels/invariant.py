@@ -49,6 +49,9 @@ def reference_impl(decl: OpDecl, invariant: bool) -> Callable[..., Any]:
     special = {"sparse_attention": sparse_attention, "indexer_scores": indexer_scores, "moe_experts": moe_experts}
     if decl.name in special:
         return special[decl.name]
+    if decl.name in ("linear", "grouped_linear"):  # a block-quantized weight dequantized once, not once a piece
+        run = pieces(decl.reference, *TOKEN_ARGS[decl.name])
+        return lambda x, weight: run(x, dense(weight, x.dtype))
     if decl.name in TOKEN_ARGS:
         return pieces(decl.reference, *TOKEN_ARGS[decl.name])
 

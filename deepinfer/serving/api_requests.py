@@ -117,7 +117,7 @@ def _refuse_unsupported(api: str, body: dict[str, Any]) -> None:
         raise _BadParam(unknown[0], f"unsupported parameter(s) {unknown} for {APIS[api]}; supported: "
                                     f"{', '.join(sorted(FIELDS[api]))}, and deepinfer's {', '.join(EXTENSIONS)}")
     include = body.get("include")
-    if include is not None and not (isinstance(include, list) and set(include) <= {LOGPROBS_INCLUDE}):
+    if include is not None and not (isinstance(include, list) and all(i == LOGPROBS_INCLUDE for i in include)):
         raise _BadParam("include", f"include={include!r}: only {LOGPROBS_INCLUDE!r} is supported (no encrypted "
                                    "reasoning, no tool outputs)")
     refusals = {

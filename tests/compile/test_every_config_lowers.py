@@ -39,6 +39,8 @@ def plans(dtype: str, target: str) -> list[tuple]:
         cfgs = [ModelConfig.from_dict(raw) for raw in (TINY_A, ODD_A)]  # those TINY_A takes (module docstring)
     for cfg in cfgs:
         items.update(dict.fromkeys(kernel_plan(cfg, dtype)))
+        if target in ("sm90", "sm100"):  # and the --batch-invariant variants (sm100 never ran them either)
+            items.update(dict.fromkeys(kernel_plan(cfg, dtype, invariant=True)))
     if target == "ascend":  # ODD_A's 12 ragged GEMM shapes: one of each kind of edge against Ascend's tiles
         items = {it: None for it in items if it[:2] != ("linear", "gemm") or (it[2].n, it[2].k) in ASCEND_GEMMS}
     return list(items)

@@ -213,7 +213,7 @@ KERNELS = (Kernel("split", split_body, configs=_CONFIGS, overrides=(Override("sm
            Kernel("combine", combine_body, configs=_CONFIGS))
 MAX_SPLITS = 16
 INVARIANT_SPLIT_ROWS = 256  # KV rows per split in batch-invariant mode (a multiple of hopper.SPLIT_ROWS)
-INVARIANT_PARTIAL_BYTES = 1 << 30  # batch-invariant mode: queries per launch so that the fp32 partials stay below
+INVARIANT_PARTIAL_BYTES = 1 << 30  # batch-invariant mode: queries per launch keep the fp32 partials below 1 GiB
 TARGET_TILES = 256  # aim for at least this many tiles in flight when choosing splits
 
 
