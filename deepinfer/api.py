@@ -12,6 +12,7 @@ from deepinfer.assemble import EngineOptions, assemble_v4, assemble_v41, check_v
 from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.runtime.backend import select as select_backend
 from deepinfer.runtime.engine import Engine, RunStats
+from deepinfer.runtime.prefix import PrefixMode
 from deepinfer.env import Env
 from deepinfer.errors import ConfigError, RequestError
 from deepinfer.parallel.config import ParallelConfig, eplb_config, launched_rank
@@ -52,6 +53,7 @@ class LLM:
         quantization: str = "auto",
         async_scheduling: bool = True,
         batch_invariant: bool | None = None,
+        prefix_cache: str | None = None,
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
@@ -61,7 +63,7 @@ class LLM:
     ):
         args = {k: v for k, v in locals().items() if k in _LLM_ARGS}
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                      gpu_memory_utilization, random_seed, quantization, batch_invariant)
+                      gpu_memory_utilization, random_seed, quantization, batch_invariant, prefix_cache)
         self.parallel = ParallelConfig(data_parallel_size, tensor_parallel_size, enable_expert_parallel)
         eplb = eplb_config(self.parallel, enable_eplb, eplb_redundant_experts, eplb_step_interval)
         self.last_stats: RunStats | None = None
@@ -86,6 +88,9 @@ class LLM:
             if self.batch_invariant:
                 raise ConfigError("batch invariance is implemented for DeepSeek-V4 only so far; DeepSeek-V4.1 runs "
                                   "without it: leave batch_invariant (--batch-invariant, DEEPINFER_BATCH_INVARIANT) off")
+            if prefix_cache not in (None, "off"):
+                raise ConfigError(f"prefix_cache={prefix_cache!r}: the prefix cache is implemented for DeepSeek-V4 "
+                                  "only so far; DeepSeek-V4.1 runs without it (None or 'off')")
         if self.parallel.world > 1:
             if v41:
                 raise ConfigError("data_parallel_size / tensor_parallel_size > 1 run DeepSeek-V4 only; DeepSeek-V4.1 "
@@ -113,8 +118,13 @@ class LLM:
                              v41=True if v41 else None)
         log.info("deepinfer: start-up: tokenizer %.2f s (%s)", time.perf_counter() - begin, self.recipe.path)
         self.keep_quantized = quantization == "auto"  # FP8 / FP4 checkpoint tensors stay quantized (V4 and V4.1)
+        # approximate hits change a request's logits a little; a batch-invariant run keeps its promise with exact
+        self.prefix_cache = PrefixMode("off" if v41 else prefix_cache or ("exact" if self.batch_invariant
+                                                                           else "approximate"),
+                                       env.swa_replay_tokens)
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
-                             quantization, show_progress, batch_invariant=self.batch_invariant)
+                             quantization, show_progress, batch_invariant=self.batch_invariant,
+                             prefix_cache=self.prefix_cache)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:
@@ -139,10 +149,13 @@ class LLM:
         spec = self.cache.spec
         if self.batch_invariant:
             ops += ", batch-invariant"
+        prefix = self.prefix_cache.mode
+        if prefix == "approximate":
+            prefix += f", {self.prefix_cache.replay_tokens}-token SWA replay"
         line = (f"model {self.model_dir or 'tiny-random'} ({self.config.num_hidden_layers} layers, {self.model.dtype}), "
                 f"tokenizer {self.recipe.path} ({self.recipe.encoding_name} encoding), backend {self.backend.name} "
                 f"({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, max {self.engine.max_len} "
-                f"per sequence; {self.memory_report}")
+                f"per sequence, prefix cache {prefix}; {self.memory_report}")
         if self._comm is not None:
             from deepinfer.parallel.ranks import describe
 
@@ -349,7 +362,7 @@ class LLM:
 
 _LLM_ARGS = ("model", "backend", "dtype", "tokenizer", "max_num_seqs", "max_prefill_tokens", "max_model_len", "num_blocks",
              "gpu_memory_utilization", "random_seed", "show_progress", "quantization", "async_scheduling",
-             "batch_invariant",
+             "batch_invariant", "prefix_cache",
              "data_parallel_size", "tensor_parallel_size", "enable_expert_parallel", "enable_eplb",
              "eplb_redundant_experts", "eplb_step_interval")
 

@@ -21,7 +21,8 @@ from deepinfer.env import Env, check_writable_dir
 from deepinfer.errors import ConfigError
 from deepinfer.options import cache_spec, fit_check, host_memory, tiny_weight_bytes
 from deepinfer.runtime.backend import Backend
-from deepinfer.runtime.cache import CacheLayout, PagedCache
+from deepinfer.runtime.cache import CacheLayout, CacheSpec, PagedCache
+from deepinfer.runtime.prefix import PrefixMode
 from deepinfer.runtime.steps import ModelSteps
 
 log = logging.getLogger("deepinfer")
@@ -40,6 +41,12 @@ class EngineOptions:
     quantization: str  # auto | none
     show_progress: bool
     batch_invariant: bool = False  # the backend's op table is the batch-invariant one (its plan compiled so)
+    prefix_cache: PrefixMode = PrefixMode("off")  # DeepSeek-V4's prefix cache (runtime/prefix.py)
+
+    @property
+    def snapshots(self) -> int:
+        """Sliding-window snapshots the cache keeps: exact prefix caching keeps two per running sequence."""
+        return 2 * self.max_num_seqs if self.prefix_cache.mode == "exact" else 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, we
     cache_need, cache_desc = 0, ""
     if opts.num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
         probe = cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
-                           opts.gpu_memory_utilization)
+                           opts.gpu_memory_utilization, snapshots=opts.snapshots)
         cache_need = cache_bytes(probe)
         cache_desc = (f" (num_blocks={probe.num_blocks} blocks of {probe.block_tokens} positions, "
                       f"max_num_seqs={probe.max_seqs} slots)")
@@ -91,7 +98,11 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
         share = rank_share(cfg, comm.rank, placement)
     weights_size = (weight_bytes(model_dir, cfg, dtype, keep, share) if model_dir is not None
                     else tiny_weight_bytes(cfg, dtype, share))
-    _fit(cfg, dtype, backend, opts, weights_size, lambda spec: CacheLayout.build(cfg, spec, dtype).nbytes)
+    def cache_bytes(spec: CacheSpec) -> int:
+        layout = CacheLayout.build(cfg, spec, dtype)
+        return layout.nbytes + spec.snapshots * layout.snapshot_bytes
+
+    _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
     if backend.kernel_target is not None:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
     clock = Phases()
@@ -132,11 +143,15 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
     ready_kernels(backend, cfg, dtype, env, opts, clock)
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
-                                       opts.num_blocks, opts.gpu_memory_utilization), dtype, device)
+                                       opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots),
+                       dtype, device)
+    cache.enable_prefix(opts.prefix_cache, cache.salt())
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
+    snapshots = (f" + {cache.spec.snapshots} window snapshots {cache.snapshot_bytes() / GIB:.2f} GiB"
+                 if cache.spec.snapshots else "")
     report = (f"memory on {device}: weights {weights_size / GIB:.2f} GiB"
               + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
-              + f", cache {cache.num_bytes() / GIB:.2f} GiB")
+              + f", cache {cache.num_bytes() / GIB:.2f} GiB{snapshots}")
     # several ranks decode eagerly on the device until the NCCL capture has run on two GPUs (docs/parallel.md)
     steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs, backend.capture if comm is None else None))
     if comm is not None and comm.lockstep:

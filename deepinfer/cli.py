@@ -119,6 +119,11 @@ def run() -> None:
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Prepare the next decode step on the CPU while the device runs this one (same outputs).")
+@click.option("--prefix-cache", type=click.Choice(["approximate", "exact", "off"]), default=None,
+              help="Reuse cached prompt prefixes (DeepSeek-V4): approximate (default) prefills the last "
+                   "DEEPINFER_SWA_REPLAY_TOKENS (128) tokens before a hit again to rebuild the sliding window; exact "
+                   "keeps window snapshots at block boundaries (same tokens as off; batch-invariant runs' default); "
+                   "off.")
 @click.option("--batch-invariant/--no-batch-invariant", default=None,
               help="Batch-invariant ops: a request's tokens do not depend on what it is batched with (DeepSeek-V4) "
                    "[default: $DEEPINFER_BATCH_INVARIANT, else off].")
@@ -183,7 +188,7 @@ class _Item:
 
 def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
              max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, async_scheduling=True,
-             batch_invariant=None, data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
+             batch_invariant=None, prefix_cache=None, data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
              eplb_redundant_experts=0, eplb_step_interval=1000, explicit=frozenset(), **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
@@ -259,7 +264,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
         llm = LLM(model_dir, backend=backend, dtype=dtype, max_num_seqs=max_num_seqs,
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
                   show_progress=True, quantization=quantization, async_scheduling=async_scheduling,
-                  batch_invariant=batch_invariant,
+                  batch_invariant=batch_invariant, prefix_cache=prefix_cache,
                   data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                   enable_expert_parallel=enable_expert_parallel, enable_eplb=enable_eplb,
                   eplb_redundant_experts=eplb_redundant_experts, eplb_step_interval=eplb_step_interval)

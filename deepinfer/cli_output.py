@@ -1,5 +1,6 @@
 """How `deepinfer run offline` writes plain prompts' results: each record (text or a JSONL line, flushed at
-once) and the run's closing throughput line."""
+once; a JSONL line carries `num_cached_tokens`, the prompt tokens found in the prefix cache) and the run's
+closing throughput line (with the prefix cache's hit rate when it found any)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def write(record, fmt: str, stream: TextIO) -> None:
         stream.write(f"=== request {record.index} ({record.source}): error ===\n{record.error}\n")
     else:
         o = record
-        stream.write(f"=== request {o.index} ({o.num_prompt_tokens} prompt tokens, {o.num_generated_tokens} generated, "
-                     f"finish: {o.finish_reason}) ===\n")
+        cached = getattr(o, "num_cached_tokens", 0)
+        stream.write(f"=== request {o.index} ({o.num_prompt_tokens} prompt tokens, "
+                     + (f"{cached} cached, " if cached else "")
+                     + f"{o.num_generated_tokens} generated, finish: {o.finish_reason}) ===\n")
         if o.reasoning_content:
             stream.write(f"[thinking]\n{o.reasoning_content}\n[answer]\n")
         stream.write(o.text + "\n")
@@ -43,6 +46,19 @@ def summary(stats, n_requests: int, start: float) -> None:
         f"prefill {prefill_rate:.1f} tok/s, decode {decode_rate:.1f} tok/s ({stats.decode_steps} steps); "
         f"first token {ttft:.2f} s after start" + (f"; {stats.preemptions} preemption(s)" if stats.preemptions else "")
         + (f"; experts max/mean per rank {stats.expert_balance:.3f} ({stats.expert_rebalances} rebalance(s))"
-           if stats.expert_balance is not None else ""),
+           if stats.expert_balance is not None else "") + prefix_cache_clause(stats),
         err=True,
     )
+
+
+def prefix_cache_clause(stats) -> str:
+    """'; prefix cache: ...' for the throughput line when the run found prompt tokens in the prefix cache, else
+    ''. Hit rate: cached / the requests' prompt tokens; saved: cached tokens less those prefilled again to rebuild
+    sliding windows (replayed)."""
+    cached = getattr(stats, "cached_tokens", 0) or 0
+    if cached <= 0:
+        return ""
+    total, replayed = getattr(stats, "input_tokens", 0) or 0, getattr(stats, "replayed_tokens", 0) or 0
+    rate = f"{100 * cached / total:.1f} %" if total else "? %"
+    return (f"; prefix cache: {rate} of prompt tokens cached ({cached:,} of {total:,}), "
+            f"{cached - replayed:,} prefill tokens saved" + (f" ({replayed:,} replayed)" if replayed else ""))

@@ -20,6 +20,7 @@ class Env:
     cache_dir: Path  # DEEPINFER_CACHE_DIR: compiled kernels (default ~/.cache/deepinfer/kernels)
     dist_timeout: float = 300.0  # DEEPINFER_DIST_TIMEOUT: seconds a collective between ranks may wait
     batch_invariant: bool = False  # DEEPINFER_BATCH_INVARIANT: 1 = a request's result does not depend on its batch
+    swa_replay_tokens: int = 128  # DEEPINFER_SWA_REPLAY_TOKENS: tokens an approximate prefix hit prefills again
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -41,8 +42,14 @@ class Env:
         if invariant not in _FLAGS:
             raise ConfigError(f"DEEPINFER_BATCH_INVARIANT={raw!r} is not valid; accepted: {', '.join(_FLAGS)} "
                               "(unset or empty: off)")
+        raw_replay = environ.get("DEEPINFER_SWA_REPLAY_TOKENS") or "128"
+        replay = int(raw_replay) if raw_replay.strip().isdigit() else 0
+        if replay < 1:
+            raise ConfigError(f"DEEPINFER_SWA_REPLAY_TOKENS={raw_replay!r} is not valid; accepted: an integer >= 1 "
+                              "(tokens prefilled again before an approximate prefix hit; unset: 128)")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
-                   cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant])
+                   cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant],
+                   swa_replay_tokens=replay)
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -30,11 +30,12 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
                num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128,
-               unit: Callable[[CacheSpec], tuple[int, int]] | None = None) -> CacheSpec:
+               unit: Callable[[CacheSpec], tuple[int, int]] | None = None, snapshots: int = 0) -> CacheSpec:
     """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
     `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
     enough for every slot at full length. `unit(spec)` -> (bytes per block, bytes per slot) of the model's
-    cache (default: V4's `CacheLayout`)."""
+    cache (default: V4's `CacheLayout`). `snapshots`: sliding-window snapshots to keep (exact prefix caching;
+    V4's layout only), taken out of the memory budget first."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
@@ -44,10 +45,11 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
             if unit is None:
                 layout = CacheLayout.build(cfg, probe, dtype)
                 per_block, per_slot = layout.block_bytes, layout.slot_bytes
+                per_slot += snapshots * layout.snapshot_bytes / (max_seqs + 1)
             else:
                 per_block, per_slot = unit(probe)
             free, _ = memory
-            budget = int(free * gpu_memory_utilization) - (max_seqs + 1) * per_slot - (2 << 30)  # 2 GiB activations
+            budget = int(free * gpu_memory_utilization - (max_seqs + 1) * per_slot) - (2 << 30)  # 2 GiB activations
             if budget < 2 * per_block:  # one block and the scratch block
                 raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
                                   f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
@@ -56,7 +58,8 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
             num_blocks = min(num_blocks, budget // per_block - 1)  # the cache adds a scratch block
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
-    return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens)
+    return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens,
+                     snapshots=snapshots)
 
 
 def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
@@ -89,7 +92,8 @@ def _count(value: Any) -> bool:
 
 
 def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                  gpu_memory_utilization, random_seed, quantization="auto", batch_invariant=None) -> None:
+                  gpu_memory_utilization, random_seed, quantization="auto", batch_invariant=None,
+                  prefix_cache=None) -> None:
     """Types and ranges of LLM's arguments, before anything is loaded."""
     _option("model", model, model is None or isinstance(model, (str, Path)), "a model directory path (str or Path) or None")
     _option("backend", backend, backend is None or isinstance(backend, str), "a target name or None")
@@ -110,6 +114,8 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
             "'auto' (FP8/FP4 checkpoint tensors kept in their own precision) or 'none' (dequantized to dtype)")
     _option("batch_invariant", batch_invariant, batch_invariant is None or isinstance(batch_invariant, bool),
             "True, False or None ($DEEPINFER_BATCH_INVARIANT)")
+    _option("prefix_cache", prefix_cache, prefix_cache in (None, "approximate", "exact", "off"),
+            "'approximate', 'exact', 'off' or None (approximate; exact with batch_invariant)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
                           "path, or None for the model directory's own (else the V4 default)")

@@ -90,16 +90,21 @@ def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCa
     window, t0 = cfg.sliding_window, seq.num_tokens
     kv = p.kv[rows]
     n = kv.shape[0]
-    past_pos = torch.arange(max(0, t0 - (window - 1)), t0, device=kv.device)
+    # the slot's ring holds positions from seq.window_start on (0, or where a prefix hit's window begins)
+    past_pos = torch.arange(max(seq.window_start, t0 - (window - 1)), t0, device=kv.device)
     full = torch.cat([layer.pool[lay.window_rows(seq.slot, past_pos)], kv], dim=0)
     keep = torch.arange(max(t0, t0 + n - window), t0 + n, device=kv.device)
     layer.pool[lay.window_rows(seq.slot, keep)] = kv[keep - t0].to(layer.pool.dtype)
     # Window rows of `full` (not of the cache): query at position q sees q-W+1 .. q; row of position x is
-    # x - (t0 - len(past)).
+    # x - first, where first = t0 - len(past).
     pos = torch.arange(t0, t0 + n, device=kv.device)
     win_pos = pos.view(-1, 1) + torch.arange(-window + 1, 1, device=kv.device).view(1, -1)
     first = t0 - past_pos.numel()
-    win_rows = torch.where(win_pos >= 0, win_pos - first, torch.full_like(win_pos, -1))
+    win_rows = torch.where(win_pos >= first, win_pos - first, torch.full_like(win_pos, -1))
+    for boundary, snapshot in seq.take.items():  # exact prefix cache: the window as it is at a block boundary
+        if t0 < boundary <= t0 + n:
+            at = (torch.arange(boundary - window, boundary, device=kv.device) - first).clamp(min=0)
+            layer.snap_ring[snapshot] = full[at].to(layer.snap_ring.dtype)
     if p.comp is None:
         return full, win_rows
     eps, crope = cfg.rms_norm_eps, ctx.compress_rope

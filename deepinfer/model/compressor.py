@@ -65,11 +65,20 @@ def compress_prefill(
                 slots_gate[0, :rate] = comp.ov_gate[slot]
             comp.ov_kv[slot] = chunk_kv[-1, :, :d]
             comp.ov_gate[slot] = chunk_gate[-1, :, :d]
+            for boundary, snapshot in seq.take.items():  # exact prefix cache: the overlap at a block boundary
+                j = boundary // rate - 1 - first_entry  # the window that ends there
+                if 0 <= j < n:
+                    comp.snap_kv[snapshot] = chunk_kv[j, :, :d]
+                    comp.snap_gate[snapshot] = chunk_gate[j, :, :d]
         else:
             slots_kv, slots_gate = chunk_kv, chunk_gate
         new = torch.arange(first_entry, first_entry + n, device=kv.device)
         entries = _pool(ops, w, slots_kv, slots_gate, new * rate, eps, rope)
-        comp.store[comp.layout.entry_rows(blocks, new)] = entries.to(comp.store.dtype)
+        rows = comp.layout.entry_rows(blocks, new)
+        if (first_entry + 1) * rate <= seq.shared_until:  # windows a prefix hit shares: their entries are cached
+            shared = (new + 1) * rate <= seq.shared_until
+            rows = torch.where(shared, torch.full_like(rows, comp.layout.scratch_row), rows)
+        comp.store[rows] = entries.to(comp.store.dtype)
     total = (t0 + kv.shape[0] - fill) // rate
     return comp.store[comp.layout.entry_rows(blocks, torch.arange(total, device=kv.device))]
 

@@ -14,6 +14,7 @@ table `tables` (a row per slot, kept by `SlotBlocks` as sequences grow and are r
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class Compressor:
     buf_gate: torch.Tensor  # [slots + 1, rate, width] (gate without the position bias)
     ov_kv: torch.Tensor | None = None  # [slots + 1, rate, dim]: the last closed window's first series
     ov_gate: torch.Tensor | None = None  # [slots + 1, rate, dim] fp32, position bias included
+    snap_kv: torch.Tensor | None = None  # [snapshots, rate, dim]: ov_kv at a snapshot's boundary (exact prefix cache)
+    snap_gate: torch.Tensor | None = None  # [snapshots, rate, dim] fp32
 
     @property
     def rate(self) -> int:
@@ -64,6 +67,11 @@ class LayerCache:
     ring: torch.Tensor  # view [slots + 1, W, D]
     compressor: Compressor | None = None
     indexer: Compressor | None = None
+    snap_ring: torch.Tensor | None = None  # [snapshots, W, D]: the window KV at a snapshot's boundary, by position
+
+    def carried(self) -> list[Compressor]:
+        """The compressors whose state outlives a closed window (CSA's overlap)."""
+        return [c for c in (self.compressor, self.indexer) if c is not None and c.overlap]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor holding state (the main entries live inside the pool)."""
@@ -92,6 +100,46 @@ class PagedCache(SlotBlocks):
             if lay.indexer is not None:
                 layer.indexer = Compressor.allocate(lay.indexer, lay.keys.allocate(device), device)
             self.layers.append(layer)
+        self.window = cfg.sliding_window
+        if spec.snapshots:
+            self._allocate_snapshots(spec.snapshots)
+
+    def _allocate_snapshots(self, n: int) -> None:
+        for layer in self.layers:
+            layer.snap_ring = torch.zeros((n, layer.layout.window, layer.layout.head_dim), dtype=self.dtype,
+                                          device=self.device)
+            for c in layer.carried():
+                c.snap_kv = torch.zeros((n, *c.ov_kv.shape[1:]), dtype=c.ov_kv.dtype, device=self.device)
+                c.snap_gate = torch.zeros((n, *c.ov_gate.shape[1:]), dtype=c.ov_gate.dtype, device=self.device)
+
+    def salt(self) -> bytes:
+        """What a prefix cache's block names are seeded with: the model's geometry and the cache dtype."""
+        return hashlib.blake2b(f"{self.cfg!r}|{self.dtype}".encode(), digest_size=16).digest()
+
+    def restore_snapshot(self, slot: int, snapshot: int, boundary: int) -> None:
+        """Exact prefix hit: the slot's window rings and carried compressor state as they were at `boundary`."""
+        pos = torch.arange(boundary - self.window, boundary, device=self.device)
+        for layer in self.layers:
+            layer.pool[layer.layout.window_rows(slot, pos)] = layer.snap_ring[snapshot]
+            for c in layer.carried():
+                c.ov_kv[slot] = c.snap_kv[snapshot]
+                c.ov_gate[slot] = c.snap_gate[snapshot]
+
+    def take_snapshots(self, slots: list[int], snapshots: list[int], boundaries: list[int]) -> None:
+        """Snapshot slots whose sequences have just written the position before `boundaries` (decode)."""
+        slot = torch.tensor(slots, device=self.device)
+        snap = torch.tensor(snapshots, device=self.device)
+        pos = (torch.tensor(boundaries, device=self.device).view(-1, 1) - self.window
+               + torch.arange(self.window, device=self.device).view(1, -1))
+        for layer in self.layers:
+            layer.snap_ring[snap] = layer.pool[layer.layout.window_rows(slot.view(-1, 1), pos)]
+            for c in layer.carried():
+                c.snap_kv[snap] = c.ov_kv[slot]
+                c.snap_gate[snap] = c.ov_gate[slot]
+
+    def snapshot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in
+                   [layer.snap_ring, *(x for c in layer.carried() for x in (c.snap_kv, c.snap_gate))] if t is not None)
 
     def block_table(self, seqs: list[SeqCache], rows: int | None = None) -> torch.Tensor:
         """[rows, max_blocks_per_seq] int64, scratch-padded (missing blocks and padding rows)."""

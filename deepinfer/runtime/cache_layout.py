@@ -25,6 +25,7 @@ class CacheSpec:
     max_seqs: int
     max_blocks_per_seq: int  # block-table width: the longest sequence is max_blocks_per_seq * block_tokens
     block_tokens: int = 128  # a multiple of every compression rate, so block boundaries close every window
+    snapshots: int = 0  # sliding-window snapshots kept for exact prefix caching (runtime/prefix.py)
 
     @property
     def max_tokens(self) -> int:
@@ -266,5 +267,16 @@ class CacheLayout:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole cache, scratch slot and block included."""
+        """Bytes of the whole cache, scratch slot and block included (snapshots apart)."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one sliding-window snapshot: every layer's window KV and the CSA compressors' carried state."""
+        out = 0
+        for layer in self.layers:
+            out += layer.window * layer.pool.row_bytes
+            for c in (layer.compressor, layer.indexer):
+                if c is not None and c.overlap:
+                    out += c.ov_kv.slot_bytes + c.ov_gate.slot_bytes
+        return out

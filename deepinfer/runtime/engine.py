@@ -34,7 +34,10 @@ from deepinfer.serving.structured import Grammars, apply_masks
 
 @dataclass
 class RunStats:
-    prompt_tokens: int = 0  # tokens run through prefill (recomputation after a preemption included)
+    prompt_tokens: int = 0  # tokens run through prefill (recomputation after a preemption and SWA replay included)
+    input_tokens: int = 0  # the requests' prompt tokens
+    cached_tokens: int = 0  # of those, found in the prefix cache (each request's first admission)
+    replayed_tokens: int = 0  # tokens prefilled again to rebuild sliding windows on prefix hits (approximate mode)
     generated_tokens: int = 0
     decode_tokens: int = 0  # tokens produced by decode steps (a request's first token comes from prefill)
     prefill_seconds: float = 0.0
@@ -134,14 +137,20 @@ class Engine:
             for r in held:
                 scheduler.release(r)
         stats.preemptions = scheduler.preemptions
+        stats.replayed_tokens = scheduler.replayed
+        stats.input_tokens = sum(len(r.prompt_ids) for r in requests)
+        stats.cached_tokens = sum(r.num_cached_tokens or 0 for r in requests)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs.values())
         return [outputs[r.index] for r in requests], stats
 
     def _prefill(self, step: PrefillStep, scheduler: Scheduler, stats: RunStats, finished) -> None:
         ids, positions, seqs, logit_rows, sampling = [], [], [], [], []
         offset = 0
+        prefix = self.cache.prefix is not None
         for r, take in step.chunks:
             start = r.cached
+            if prefix:
+                self.cache.plan_snapshots(r.cache, start, take)
             ids.extend(r.prefill_ids[start : start + take])
             positions.extend(range(start, start + take))
             seqs.append((r.cache, offset, take))
@@ -151,6 +160,9 @@ class Engine:
                 sampling.append(r)
         begin = time.perf_counter()
         logits = self.steps.prefill(ids, positions, seqs, logit_rows)
+        if prefix:
+            for r, _ in step.chunks:
+                self.cache.publish(r.cache, r.prompt_ids + r.generated)
         if sampling:
             _, readback, asked = self._sample_step(sampling, logits, stats, decode=False)
             tokens = readback.tokens()
@@ -166,8 +178,11 @@ class Engine:
                 meanwhile: Callable[[], None] | None = None) -> _Flight:
         """A decode step's forward, then (after `meanwhile`: the host's work while the forward runs) its sampling,
         of the rows whose request has not finished meanwhile. The step's tokens stay on the device."""
-        logits = self.steps.decode(ids, positions, [r.cache for r in reqs])
+        seqs = [r.cache for r in reqs]
+        logits = self.steps.decode(ids, positions, seqs)
         stats.decode_steps += 1
+        if self.cache.prefix_mode.mode == "exact":  # the window at block boundaries, kept while memory allows
+            self.cache.snapshot_decode(seqs, positions)
         if meanwhile is not None:
             meanwhile()
         live = [r.finish_reason is None for r in reqs]
@@ -200,14 +215,25 @@ class Engine:
         rows = [i for i, r in enumerate(flight.requests) if r.finish_reason is None]
         stats.decode_tokens += len(rows)
         logprobs = _logprobs(flight.logprobs, flight.readback, tokens)
-        for r in self._append([flight.requests[i] for i in rows], [tokens[i] for i in rows],
-                              [logprobs[i] for i in rows]):
+        landed = [flight.requests[i] for i in rows]
+        done = self._append(landed, [tokens[i] for i in rows], [logprobs[i] for i in rows])
+        if self.cache.prefix is not None:
+            self._publish(landed)
+        for r in done:
             scheduler.retire(r)
             if nxt is not None and r in nxt:
                 self._held.append(r)
             else:
                 scheduler.release(r)
             finished(r)
+
+    def _publish(self, reqs: list[Request]) -> None:
+        """Name the blocks the landed step's requests have filled (their tokens are all known once it landed)."""
+        bt = self.cache.spec.block_tokens
+        for r in reqs:
+            seq = r.cache
+            if min(seq.num_tokens, r.num_tokens) // bt > len(seq.names) or seq.pending:
+                self.cache.publish(seq, r.prompt_ids + r.generated)
 
     def _ends_after_next(self, r: Request) -> bool:
         """Whether the request finishes on the token in flight whatever it is (its length limits)."""
@@ -301,6 +327,7 @@ class Engine:
             chunks=r.output.chunks,
             custom_id=r.custom_id,
             logprobs=list(r.logprobs or ()) if r.params.logprobs is not None else None,
+            num_cached_tokens=r.num_cached_tokens or 0,
         )
 
 

@@ -28,6 +28,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when params.logprobs asks
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -89,6 +90,7 @@ class RequestOutput:
     chunks: list[dict[str, Any]] | None = None  # its stream of chunks, when streaming
     custom_id: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token (token_ids), when asked for
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled again)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +109,7 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
         }
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.replayed = 0  # tokens prefilled again to rebuild sliding windows on approximate prefix hits
 
     def add(self, req: Request) -> None:
         need = min(len(req.prompt_ids) + req.params.max_new_tokens, self.max_len)
@@ -114,8 +115,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             # admit only what can prefill in full (or anything, when nothing runs: `add` checked it fits);
             # else it would take blocks, stall and be preempted again at once
-            need = self.cache.blocks_for(self.waiting[0].num_prefill + 1)
-            if self.running and need > self.cache.free_blocks:
+            head = self.waiting[0]
+            tokens = head.prefill_ids
+            hit = self.cache.lookup(tokens)  # the cached prefix it could start on now (prefix cache)
+            if self.running and self.cache.blocks_needed(head.num_prefill + 1, hit) > self.cache.free_blocks:
                 return
             seq = self.cache.admit()
             if seq is None:
@@ -124,11 +127,25 @@ class Scheduler:
             req.cache = seq
             self.running.append(req)
 
+    def _begin(self, req: Request) -> None:
+        """A request's first prefill chunk is about to be scheduled: put it on its longest cached prefix now (not at
+        admission: requests admitted together then find the blocks an earlier one has prefilled meanwhile)."""
+        tokens = req.prefill_ids
+        hit = self.cache.lookup(tokens)
+        resume = self.cache.start(req.cache, hit, tokens)
+        req.cache.begun = True
+        self.replayed += hit.tokens - resume
+        if req.num_cached_tokens is None:  # reported as the request's cached tokens: its first run's hit
+            req.num_cached_tokens = hit.tokens
+            req.output.start(hit.tokens)
+
     def _prefill_step(self) -> PrefillStep | None:
         budget, chunks = self.config.max_prefill_tokens, []
         for r in [r for r in self.running if r.in_prefill]:
             if budget == 0:
                 break
+            if not r.cache.begun:
+                self._begin(r)
             take = min(r.num_prefill - r.cached, budget)
             room = (len(r.cache.blocks) + self.cache.free_blocks) * self.cache.spec.block_tokens - r.cached
             take = min(take, room)

@@ -157,7 +157,10 @@ def _error_message(body: str) -> str:
 class OutputProcessor:
     """Decodes one request's generated tokens through deepseek-recipe's stream processor into the API's
     response object (Chat Completions for plain prompts), keeping the stream of chunks and/or passing each
-    chunk to `sink` as it is produced when asked to."""
+    chunk to `sink` as it is produced when asked to. The stream opens with `start(cached_tokens)` at the request's
+    first admission (the prompt tokens found in the prefix cache go into the usage: Chat Completions
+    `prompt_tokens_details.cached_tokens` and `prompt_cache_hit_tokens`, Responses
+    `input_tokens_details.cached_tokens`, Messages `cache_read_input_tokens`), or at the first token with none cached."""
 
     def __init__(self, recipe: Recipe, prompt: EncodedPrompt, stop: tuple[str, ...], request_id: str,
                  api: str = "chat.completions", generator: Any = None, response: Any = None, keep_chunks: bool = False,
@@ -183,7 +186,22 @@ class OutputProcessor:
         self._response = response
         self.chunks: list[dict[str, Any]] | None = [] if keep_chunks else None
         self._sink = sink  # called with each chunk as soon as it is produced
-        self._feed(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=len(prompt.token_ids))))
+        self._prompt_tokens = len(prompt.token_ids)
+        self._started = False  # the ready chunk (prompt usage) is fed by `start`, once
+
+    def start(self, cached_tokens: int) -> None:
+        """Open the stream: feed the ready chunk with the prompt's usage, `cached_tokens` of its tokens found in the
+        prefix cache (known at the request's first admission). Only the first call feeds; `push`,
+        `push_stop_token` and `finish` call `start(0)` when no call came before them."""
+        if self._started:
+            return
+        if not 0 <= cached_tokens <= self._prompt_tokens:
+            raise ValueError(f"cached_tokens must be in [0, {self._prompt_tokens}] (the prompt's tokens), "
+                             f"got {cached_tokens}")
+        self._started = True
+        dr = self._dr
+        usage = dr.PromptUsage(prompt_tokens=self._prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
+        self._feed(dr.InferenceChunk.ready(prompt_usage=usage))
 
     def _feed(self, chunk) -> None:
         self._emit(self._processor.push(chunk))
@@ -208,6 +226,7 @@ class OutputProcessor:
 
     def push(self, token_id: int, logprobs: Any = None) -> None:
         """`logprobs`: the token's `TokenLogprobs` (used when the request asked for them)."""
+        self.start(0)
         if logprobs is not None and self.with_logprobs:
             self._feed(self._dr.InferenceChunk.tokens([token_id], [(logprobs.logprob, logprobs.top)]))
         else:
@@ -215,11 +234,13 @@ class OutputProcessor:
 
     def push_stop_token(self) -> None:
         """Count the end-of-sentence token in the usage (it is generated, but has no text)."""
+        self.start(0)
         self._feed(self._dr.InferenceChunk.text("", token_count=1))
 
     def finish(self, reason: str) -> dict[str, Any]:
         """Close the stream ('stop' or 'length'); return the response object and its main fields."""
         dr = self._dr
+        self.start(0)
         if not self._processor.finished:
             native = dr.InferenceFinishReason.Stop if reason == "stop" else dr.InferenceFinishReason.Length
             self._feed(dr.InferenceChunk.finish(native))
@@ -232,7 +253,8 @@ class OutputProcessor:
 
 def _complete_usage(response: dict[str, Any]) -> None:
     """A Responses object's usage as the API defines it: deepseek-recipe 0.2 leaves out
-    `input_tokens_details.cache_write_tokens` (nothing is written to a prompt cache here: 0)."""
+    `input_tokens_details.cache_write_tokens` (0: the prefix cache is automatic, nothing is written to a prompt
+    cache on request; the prompt tokens found in it are `input_tokens_details.cached_tokens`, which `start` sets)."""
     details = (response.get("usage") or {}).get("input_tokens_details")
     if isinstance(details, dict):
         details.setdefault("cache_write_tokens", 0)
