@@ -40,7 +40,7 @@ def blocks(tokens: int) -> int:
 
 # ---- part (a): the error of approximate hits ----------------------------------------------------------------------
 def run_seq(cache, steps, tokens: list[int], n_steps: int, force: list[int] | None = None, publish: bool = False,
-            boundary: int = 0) -> dict:
+            boundary: int = 0, chunk: int = CHUNK) -> dict:
     """A new sequence over `tokens`: prefix lookup, resume, prefill the rest in chunks, then `n_steps` 1-token
     prefills of `force` (teacher forcing) or of its own argmax. Released at the end. With `publish`, blocks are
     published as the engine does (and, exact mode, a snapshot is also planned at `boundary`)."""
@@ -50,8 +50,8 @@ def run_seq(cache, steps, tokens: list[int], n_steps: int, force: list[int] | No
     if publish and cache.prefix_mode.mode == "exact" and boundary > resume and boundary % BT == 0:
         seq.wanted = sorted(set(seq.wanted) | {boundary})
     assert cache.grow(seq, len(tokens) + n_steps + 1), "part (a) cache too small"
-    for s in range(resume, len(tokens), CHUNK):
-        take = min(CHUNK, len(tokens) - s)
+    for s in range(resume, len(tokens), chunk):
+        take = min(chunk, len(tokens) - s)
         if publish:
             cache.plan_snapshots(seq, s, take)
         last = steps.prefill(tokens[s: s + take], list(range(s, s + take)), [(seq, 0, take)], [take - 1])
@@ -109,6 +109,12 @@ def part_error(args, model, cfg, dtype) -> dict:
         tf = run_seq(exact, xsteps, prompt, n, force=ref["path"][:n])
         free = run_seq(exact, xsteps, prompt, n - 1)
         rows.append({"mode": "exact", "replay": 0, **compare(ref, tf, free, n)})
+        # the noise floor: the same cold run, its prompt prefilled in other chunks (no cache); in bf16 a row's bits
+        # depend on the chunk it is computed in, and a random model's routing amplifies that
+        off, osteps = new_cache("off")
+        tf = run_seq(off, osteps, prompt, n, force=ref["path"][:n], chunk=1000)
+        free = run_seq(off, osteps, prompt, n - 1, chunk=1000)
+        rows.append({"mode": "cold, chunks of 1000", "replay": 0, **compare(ref, tf, free, n)})
         approx, asteps = new_cache("approximate")
         run_seq(approx, asteps, prompt[:P], 0, publish=True)  # publish the shared prefix only
         for R in [int(x) for x in args.replays.split(",")]:
@@ -116,7 +122,7 @@ def part_error(args, model, cfg, dtype) -> dict:
             tf = run_seq(approx, asteps, prompt, n, force=ref["path"][:n])
             free = run_seq(approx, asteps, prompt, n - 1)
             rows.append({"mode": "approximate", "replay": R, **compare(ref, tf, free, n)})
-        leaks = {"exact": exact.used_blocks, "approximate": approx.used_blocks}
+        leaks = {"exact": exact.used_blocks, "approximate": approx.used_blocks, "off": off.used_blocks}
     assert all(v == 0 for v in leaks.values()), f"blocks still referenced after every release: {leaks}"
     print(f"\n## (a) approximate vs exact: {P} shared + {args.suffix_tokens} prompt tokens, {n} greedy steps "
           f"(teacher-forced on the cold run's path; {n + 1} logit rows), window {cfg.sliding_window}")
@@ -286,7 +292,8 @@ def main() -> None:
             spec = CacheSpec(num_blocks, C, per_seq, snapshots=2 * C if mode == "exact" else 0)
             cache = PagedCache(cfg, spec, dtype, "cuda")
             cache.enable_prefix(PrefixMode(mode, args.workload_replay), cache.salt())
-            steps = V4Steps(model, cache, DecodeGraphs(model, cache, C, base.backend.capture))
+            # a new capture (its own graph pool): the previous mode's graphs are gone with its engine
+            steps = V4Steps(model, cache, DecodeGraphs(model, cache, C, type(base.backend.capture)()))
             engine = Engine(steps, cache, SchedulerConfig(C, CHUNK, True), base.grammars)
             engine.capture_all()
             base.engine, base.cache, llm = engine, cache, base
