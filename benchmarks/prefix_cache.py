@@ -289,7 +289,7 @@ def main() -> None:
             from deepinfer.runtime.steps import V4Steps
 
             base.engine = base.cache = None
-            spec = CacheSpec(num_blocks, C, per_seq, snapshots=2 * C if mode == "exact" else 0)
+            spec = CacheSpec(num_blocks, C, per_seq, snapshots=4 * C if mode == "exact" else 0)
             cache = PagedCache(cfg, spec, dtype, "cuda")
             cache.enable_prefix(PrefixMode(mode, args.workload_replay), cache.salt())
             # a new capture (its own graph pool): the previous mode's graphs are gone with its engine

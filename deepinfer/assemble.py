@@ -45,8 +45,9 @@ class EngineOptions:
 
     @property
     def snapshots(self) -> int:
-        """Sliding-window snapshots the cache keeps: exact prefix caching keeps two per running sequence."""
-        return 2 * self.max_num_seqs if self.prefix_cache.mode == "exact" else 0
+        """Sliding-window snapshots the cache keeps: exact prefix caching keeps four per running sequence (a
+        conversation's next turn finds the last one of its previous turn after the others' new ones)."""
+        return 4 * self.max_num_seqs if self.prefix_cache.mode == "exact" else 0
 
 
 @dataclass(frozen=True)

@@ -211,4 +211,4 @@ def test_prefix_cache_options_are_checked(monkeypatch):
         PrefixMode("both")
     assert deepinfer.LLM(backend="reference", max_num_seqs=1).prefix_cache.mode == "approximate"
     invariant = deepinfer.LLM(backend="reference", max_num_seqs=1, batch_invariant=True)
-    assert invariant.prefix_cache.mode == "exact" and invariant.cache.spec.snapshots == 2
+    assert invariant.prefix_cache.mode == "exact" and invariant.cache.spec.snapshots == 4
