@@ -121,7 +121,7 @@ def test_exact_prefixes_on_and_off_block_boundaries(llms):
     cases = [base[: 2 * BT], base[: 2 * BT] + [5], base[: 2 * BT - 1], base[: BT + 1], base]
     want = [o.token_ids for o in run(llms["off"], cases)]
     exact = llms["exact"]
-    run(exact, [base + tokens(BT, 8)])  # publishes 3 blocks, snapshot at its last full block (384) only
+    run(exact, [base + tokens(BT, 8)])  # publishes 4 blocks, a snapshot at its last full block (512) only
     got = [run(exact, [p])[0] for p in cases]
     assert [o.token_ids for o in got] == want
     # the first case finds no snapshot (a miss) and leaves them at 128 and 256 on the cached blocks it recomputed;
@@ -152,16 +152,22 @@ def test_exact_first_token_logprobs_within_chunked_prefill_tolerance(llms):
 
 # ---- preemption, eviction ----
 def test_exact_preemption_under_a_tiny_cache_keeps_tokens_and_counts():
-    system = tokens(2 * BT + 20, 14)
-    prompts = [system + tokens(30 + 9 * i, 20 + i) for i in range(4)]
-    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
-    kw = dict(backend="reference", max_num_seqs=4, num_blocks=5)  # 2 shared + 4 private blocks do not fit
+    """Four requests on a shared 2-block prefix each grow to 4 blocks while decoding: 2 shared + 8 private blocks
+    do not fit in 7, so decode preempts requests that made progress; they come back on their own cached blocks."""
+    system = tokens(2 * BT + 100, 14)
+    prompts = [system + tokens(10 + 5 * i, 20 + i) for i in range(4)]  # 366-381 tokens: the 4th block in decode
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    kw = dict(backend="reference", max_num_seqs=4, num_blocks=7)
     want = [o.token_ids for o in run(deepinfer.LLM(prefix_cache="off", **kw), prompts, params)]
     llm = deepinfer.LLM(prefix_cache="exact", **kw)
     run(llm, prompts[:1], params)
     outs = run(llm, prompts, params)
     assert [o.token_ids for o in outs] == want
-    assert llm.last_stats.preemptions > 0
+    stats = llm.last_stats
+    assert stats.preemptions > 0 and sum(o.preemptions for o in outs) == stats.preemptions
+    # a preempted request's prompt and tokens are found again: far fewer tokens prefilled than recomputing them
+    recomputed = stats.prompt_tokens - (stats.input_tokens - stats.cached_tokens)
+    assert 0 <= recomputed < stats.preemptions * BT, (recomputed, stats)
 
 
 def test_a_hit_never_reads_an_evicted_block():

@@ -42,6 +42,7 @@ class SeqCache:
     take: dict[int, int] = field(default_factory=dict)  # boundary -> snapshot the next step writes
     pending: dict[int, int] = field(default_factory=dict)  # boundary -> snapshot written, not yet attached
     begun: bool = False  # put on its cached prefix (`SlotBlocks.start`) when its first prefill chunk was scheduled
+    resume: int = 0  # the position its prefill began at (the hit, or an approximate hit's replay start)
 
 
 class SlotBlocks:
@@ -134,13 +135,18 @@ class SlotBlocks:
             self.tables[seq.slot, held: len(seq.blocks)] = upload(new, self.tables.device)
 
     # ---- prefix cache ----
-    def lookup(self, tokens: list[int]) -> Hit:
-        """The cached prefix a new sequence over `tokens` (what prefill must put in the cache) may start on: whole
-        blocks, leaving at least one token to prefill (its logits give the first token)."""
+    def names_of(self, tokens: list[int]) -> list[bytes]:
+        """The names of the blocks a new sequence over `tokens` (what prefill must put in the cache) may skip:
+        whole blocks, leaving at least one token to prefill (its logits give the first token)."""
         if self.prefix is None or len(tokens) <= self.spec.block_tokens:
+            return []
+        return block_names(tokens[: len(tokens) - 1], self.spec.block_tokens, self.prefix.salt)
+
+    def lookup(self, tokens: list[int], names: list[bytes] | None = None) -> Hit:
+        """The cached prefix a new sequence over `tokens` may start on (`names`: `names_of(tokens)`, if known)."""
+        if self.prefix is None:
             return Hit([], 0)
-        names = block_names(tokens[: len(tokens) - 1], self.spec.block_tokens, self.prefix.salt)
-        return self.prefix.match(names, self.prefix_mode.mode == "exact")
+        return self.prefix.match(self.names_of(tokens) if names is None else names, self.prefix_mode.mode == "exact")
 
     def blocks_needed(self, tokens: int, hit: Hit) -> int:
         """Blocks a new sequence of `tokens` positions starting on `hit` takes from `free_blocks`."""
@@ -161,6 +167,7 @@ class SlotBlocks:
         seq.shared_until = hit.tokens
         if self.prefix_mode.mode == "exact":
             if hit.snapshot is not None:
+                self.prefix.touch_snapshot(hit.snapshot)
                 self.restore_snapshot(seq.slot, hit.snapshot, hit.tokens)
             # where later requests will likely hit again: the end of the cached blocks this one could not use (no
             # snapshot there), and the end of its own full blocks
@@ -171,14 +178,19 @@ class SlotBlocks:
         else:
             replay = min(hit.tokens, self.prefix_mode.replay_for(self.window))
             seq.window_start = seq.num_tokens = hit.tokens - replay
+        seq.resume = seq.num_tokens
         return seq.num_tokens
 
     window = 0  # the model's sliding window (the subclass sets it)
 
-    def plan_snapshots(self, seq: SeqCache, start: int, length: int) -> None:
-        """Before a prefill step over positions start..start+length-1: snapshots for the wanted boundaries in it."""
+    def plan_snapshots(self, seq: SeqCache, start: int, length: int, names: list[bytes] = ()) -> None:
+        """Before a prefill step over positions start..start+length-1: snapshots for the wanted boundaries in it
+        (`names`: the sequence's block names, where known: a boundary whose cached block has one is skipped)."""
+        bt = self.spec.block_tokens
         for b in [b for b in seq.wanted if start < b <= start + length]:
             seq.wanted.remove(b)
+            if b // bt <= len(names) and self.prefix.block_of.get(names[b // bt - 1]) in self.prefix.snapshot_of:
+                continue
             sid = self.prefix.new_snapshot()
             if sid is not None:
                 seq.take[b] = sid

@@ -22,6 +22,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.runtime.blocks import SeqCache, SlotBlocks
 from deepinfer.runtime.cache_layout import CacheLayout, CacheSpec, CompressorLayout, LayerLayout, Region
+from deepinfer.runtime.staging import upload
 
 __all__ = ["CacheLayout", "CacheSpec", "Compressor", "CompressorLayout", "LayerCache", "LayerLayout", "PagedCache",
            "Region", "SeqCache"]
@@ -127,10 +128,8 @@ class PagedCache(SlotBlocks):
 
     def take_snapshots(self, slots: list[int], snapshots: list[int], boundaries: list[int]) -> None:
         """Snapshot slots whose sequences have just written the position before `boundaries` (decode)."""
-        slot = torch.tensor(slots, device=self.device)
-        snap = torch.tensor(snapshots, device=self.device)
-        pos = (torch.tensor(boundaries, device=self.device).view(-1, 1) - self.window
-               + torch.arange(self.window, device=self.device).view(1, -1))
+        slot, snap, boundary = upload(torch.tensor([slots, snapshots, boundaries]), self.device)  # no wait on the step
+        pos = boundary.view(-1, 1) - self.window + torch.arange(self.window, device=self.device).view(1, -1)
         for layer in self.layers:
             layer.snap_ring[snap] = layer.pool[layer.layout.window_rows(slot.view(-1, 1), pos)]
             for c in layer.carried():

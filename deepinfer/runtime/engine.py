@@ -137,7 +137,6 @@ class Engine:
             for r in held:
                 scheduler.release(r)
         stats.preemptions = scheduler.preemptions
-        stats.replayed_tokens = scheduler.replayed
         stats.input_tokens = sum(len(r.prompt_ids) for r in requests)
         stats.cached_tokens = sum(r.num_cached_tokens or 0 for r in requests)
         stats.generated_tokens = sum(len(o.token_ids) for o in outputs.values())
@@ -150,7 +149,8 @@ class Engine:
         for r, take in step.chunks:
             start = r.cached
             if prefix:
-                self.cache.plan_snapshots(r.cache, start, take)
+                self.cache.plan_snapshots(r.cache, start, take, r.block_names[1] if r.block_names else ())
+                stats.replayed_tokens += max(0, min(start + take, r.cache.shared_until) - start)
             ids.extend(r.prefill_ids[start : start + take])
             positions.extend(range(start, start + take))
             seqs.append((r.cache, offset, take))

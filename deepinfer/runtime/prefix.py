@@ -98,7 +98,6 @@ class PrefixIndex:
                 blocks.pop()
             if blocks:
                 snapshot = self.snapshot_of[blocks[-1]]
-                self.snapshot_lru.move_to_end(snapshot)
         return Hit(blocks, len(blocks) * self.block_tokens, snapshot, tuple(names[: len(blocks)]), longest)
 
     def idle_among(self, blocks: list[int]) -> int:
@@ -151,6 +150,10 @@ class PrefixIndex:
         self.snapshot_of[block] = snapshot
         self.owner_of[snapshot] = block
         self.snapshot_lru[snapshot] = None
+
+    def touch_snapshot(self, snapshot: int) -> None:
+        """A hit restored it: most recently used."""
+        self.snapshot_lru.move_to_end(snapshot)
 
     def new_snapshot(self) -> int | None:
         """A snapshot to write: a free one, else the least recently used one taken from its block."""

@@ -28,7 +28,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when params.logprobs asks
-    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first prefill chunk
+    block_names: tuple[int, list[bytes]] | None = None  # (prefill length, its blocks' prefix-cache names)
 
     @property
     def prompt_ids(self) -> list[int]:

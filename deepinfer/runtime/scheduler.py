@@ -48,7 +48,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
-        self.replayed = 0  # tokens prefilled again to rebuild sliding windows on approximate prefix hits
 
     def add(self, req: Request) -> None:
         need = min(len(req.prompt_ids) + req.params.max_new_tokens, self.max_len)
@@ -109,16 +108,16 @@ class Scheduler:
         (those ending on the tokens in flight) have left, as `_admit` decides."""
         ending = [r for r in self.running if not any(r is c for c in requests)]
         free = self.cache.free_blocks + sum(len(r.cache.blocks) for r in ending)
-        return not requests or self.cache.blocks_for(self.waiting[0].num_prefill + 1) <= free
+        head = self.waiting[0]
+        return not requests or self.cache.blocks_needed(head.num_prefill + 1, self._lookup(head)) <= free
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             # admit only what can prefill in full (or anything, when nothing runs: `add` checked it fits);
             # else it would take blocks, stall and be preempted again at once
             head = self.waiting[0]
-            tokens = head.prefill_ids
-            hit = self.cache.lookup(tokens)  # the cached prefix it could start on now (prefix cache)
-            if self.running and self.cache.blocks_needed(head.num_prefill + 1, hit) > self.cache.free_blocks:
+            if self.running and (self.cache.blocks_needed(head.num_prefill + 1, self._lookup(head))
+                                 > self.cache.free_blocks):  # the cached prefix it could start on now counts
                 return
             seq = self.cache.admit()
             if seq is None:
@@ -130,14 +129,20 @@ class Scheduler:
     def _begin(self, req: Request) -> None:
         """A request's first prefill chunk is about to be scheduled: put it on its longest cached prefix now (not at
         admission: requests admitted together then find the blocks an earlier one has prefilled meanwhile)."""
-        tokens = req.prefill_ids
-        hit = self.cache.lookup(tokens)
-        resume = self.cache.start(req.cache, hit, tokens)
+        hit = self._lookup(req)
+        self.cache.start(req.cache, hit, req.prefill_ids)
         req.cache.begun = True
-        self.replayed += hit.tokens - resume
         if req.num_cached_tokens is None:  # reported as the request's cached tokens: its first run's hit
             req.num_cached_tokens = hit.tokens
             req.output.start(hit.tokens)
+
+    def _lookup(self, req: Request):
+        """The request's longest cached prefix now; its block names are hashed once per prefill length."""
+        if self.cache.prefix is None:
+            return self.cache.lookup([])
+        if req.block_names is None or req.block_names[0] != req.num_prefill:
+            req.block_names = (req.num_prefill, self.cache.names_of(req.prefill_ids))
+        return self.cache.lookup([], req.block_names[1])
 
     def _prefill_step(self) -> PrefillStep | None:
         budget, chunks = self.config.max_prefill_tokens, []
@@ -163,7 +168,8 @@ class Scheduler:
         return None
 
     def preempt(self, req: Request) -> None:
-        lost = req.cached > 0  # work to recompute (a request evicted before any prefill loses nothing)
+        # work to recompute (a request evicted before its first prefill chunk ran loses nothing)
+        lost = req.cache.num_tokens > req.cache.resume
         self.cache.release(req.cache)
         req.cache = None
         self.running.remove(req)
