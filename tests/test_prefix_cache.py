@@ -150,6 +150,18 @@ def test_exact_first_token_logprobs_within_chunked_prefill_tolerance(llms):
     assert distance(hit.logprobs[0], one_shot) <= tol
 
 
+def test_exact_hits_with_chunked_prefill(llms):
+    """Prefill in 50-token chunks: snapshots are taken inside chunks, hits resume mid-chunk-schedule."""
+    system = tokens(2 * BT + 40, 24)
+    prompts = [system + tokens(n, 30 + n) for n in (20, 90, 7)]
+    want = [o.token_ids for o in run(llms["off"], prompts)]
+    llm = deepinfer.LLM(backend="reference", max_num_seqs=4, prefix_cache="exact", max_prefill_tokens=50)
+    got = [run(llm, [p])[0] for p in prompts] + run(llm, prompts)
+    assert [o.token_ids for o in got] == want + want
+    # the first leaves a snapshot at its last full block (256); the second its own at 384, which it finds again
+    assert [o.num_cached_tokens for o in got] == [0, 2 * BT, 2 * BT, 2 * BT, 3 * BT, 2 * BT]
+
+
 # ---- preemption, eviction ----
 def test_exact_preemption_under_a_tiny_cache_keeps_tokens_and_counts():
     """Four requests on a shared 2-block prefix each grow to 4 blocks while decoding: 2 shared + 8 private blocks
