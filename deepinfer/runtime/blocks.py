@@ -49,6 +49,7 @@ class SlotBlocks:
     """Free lists of slots and blocks for a `CacheSpec`; slot `max_seqs` and block `num_blocks` are scratch."""
 
     tables: torch.Tensor | None = None
+    window = 0  # the model's sliding window (a subclass with a prefix cache sets it)
 
     def __init__(self, spec: CacheSpec):
         self.spec = spec
@@ -180,8 +181,6 @@ class SlotBlocks:
             seq.window_start = seq.num_tokens = hit.tokens - replay
         seq.resume = seq.num_tokens
         return seq.num_tokens
-
-    window = 0  # the model's sliding window (the subclass sets it)
 
     def plan_snapshots(self, seq: SeqCache, start: int, length: int, names: list[bytes] = ()) -> None:
         """Before a prefill step over positions start..start+length-1: snapshots for the wanted boundaries in it

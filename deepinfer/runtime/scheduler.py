@@ -5,6 +5,10 @@ requests in one forward, under a token budget) or a decode step (one token for e
 blocks run out, the most recently admitted request is preempted: its slot and blocks are freed and it goes
 back to the front of the queue, to be recomputed (prefilled again over its prompt and the tokens it generated)
 when it is admitted again. No request is dropped.
+
+With a prefix cache, a request starts on its longest cached prefix when its first prefill chunk is scheduled
+(`SlotBlocks.start`): its prefill resumes there (or, in approximate mode, a few tokens before it to rebuild the
+sliding window), and the blocks it shares count toward admission as blocks it does not need.
 """
 
 from __future__ import annotations
