@@ -45,7 +45,7 @@ def run_seq(cache, steps, tokens: list[int], n_steps: int, force: list[int] | No
     prefills of `force` (teacher forcing) or of its own argmax. Released at the end. With `publish`, blocks are
     published as the engine does (and, exact mode, a snapshot is also planned at `boundary`)."""
     seq = cache.admit()
-    hit = cache.lookup(tokens)
+    hit = cache.lookup(cache.names_of(tokens))
     resume = cache.start(seq, hit, tokens)
     if publish and cache.prefix_mode.mode == "exact" and boundary > resume and boundary % BT == 0:
         seq.wanted = sorted(set(seq.wanted) | {boundary})

@@ -22,6 +22,7 @@ import backends
 
 from deepinfer.cli_output import summary as _summary, write as _write
 from deepinfer.errors import ConfigError, DeepInferError, RequestError
+from deepinfer.runtime.prefix import MODES as PREFIX_MODES
 from deepinfer.runtime.sampling import MAX_LOGPROBS
 
 
@@ -119,7 +120,7 @@ def run() -> None:
               help="Cache blocks of 128 positions [default: from free GPU memory; on the CPU, every slot at full length].")
 @click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
               help="Prepare the next decode step on the CPU while the device runs this one (same outputs).")
-@click.option("--prefix-cache", type=click.Choice(["approximate", "exact", "off"]), default=None,
+@click.option("--prefix-cache", type=click.Choice(PREFIX_MODES), default=None,
               help="Reuse cached prompt prefixes (DeepSeek-V4): approximate (default) prefills the last "
                    "DEEPINFER_SWA_REPLAY_TOKENS (128) tokens before a hit again to rebuild the sliding window; exact "
                    "keeps window snapshots at block boundaries (same tokens as off; batch-invariant runs' default); "

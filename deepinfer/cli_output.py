@@ -20,7 +20,7 @@ def write(record, fmt: str, stream: TextIO) -> None:
         stream.write(f"=== request {record.index} ({record.source}): error ===\n{record.error}\n")
     else:
         o = record
-        cached = getattr(o, "num_cached_tokens", 0)
+        cached = o.num_cached_tokens
         stream.write(f"=== request {o.index} ({o.num_prompt_tokens} prompt tokens, "
                      + (f"{cached} cached, " if cached else "")
                      + f"{o.num_generated_tokens} generated, finish: {o.finish_reason}) ===\n")
@@ -55,10 +55,9 @@ def prefix_cache_clause(stats) -> str:
     """'; prefix cache: ...' for the throughput line when the run found prompt tokens in the prefix cache, else
     ''. Hit rate: cached / the requests' prompt tokens; saved: cached tokens less those prefilled again to rebuild
     sliding windows (replayed)."""
-    cached = getattr(stats, "cached_tokens", 0) or 0
+    cached, total, replayed = stats.cached_tokens, stats.input_tokens, stats.replayed_tokens
     if cached <= 0:
         return ""
-    total, replayed = getattr(stats, "input_tokens", 0) or 0, getattr(stats, "replayed_tokens", 0) or 0
     rate = f"{100 * cached / total:.1f} %" if total else "? %"
     return (f"; prefix cache: {rate} of prompt tokens cached ({cached:,} of {total:,}), "
             f"{cached - replayed:,} prefill tokens saved" + (f" ({replayed:,} replayed)" if replayed else ""))

@@ -11,6 +11,7 @@ import torch
 from deepinfer.config import ModelConfig
 from deepinfer.errors import ConfigError
 from deepinfer.runtime.cache import CacheLayout, CacheSpec
+from deepinfer.runtime.prefix import MODES as PREFIX_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,8 +115,8 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
             "'auto' (FP8/FP4 checkpoint tensors kept in their own precision) or 'none' (dequantized to dtype)")
     _option("batch_invariant", batch_invariant, batch_invariant is None or isinstance(batch_invariant, bool),
             "True, False or None ($DEEPINFER_BATCH_INVARIANT)")
-    _option("prefix_cache", prefix_cache, prefix_cache in (None, "approximate", "exact", "off"),
-            "'approximate', 'exact', 'off' or None (approximate; exact with batch_invariant)")
+    _option("prefix_cache", prefix_cache, prefix_cache is None or prefix_cache in PREFIX_MODES,
+            f"one of {', '.join(PREFIX_MODES)}, or None (approximate; exact with batch_invariant)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
                           "path, or None for the model directory's own (else the V4 default)")

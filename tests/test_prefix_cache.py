@@ -61,7 +61,7 @@ def test_shared_blocks_are_counted_cached_and_evicted_least_recently_used_first(
     first.num_tokens = len(p)
     cache.publish(first, p)
     assert cache.cached_blocks == 2  # the partial third block is not published
-    hit = cache.lookup(p + [7])
+    hit = cache.lookup(cache.names_of(p + [7]))
     assert hit.tokens == 2 * BT and hit.blocks == first.blocks[:2]
     second = cache.admit()
     assert cache.start(second, hit, p + [7]) == 2 * BT - 128  # approximate: the window's tokens again
@@ -77,8 +77,8 @@ def test_shared_blocks_are_counted_cached_and_evicted_least_recently_used_first(
     assert cache.cached_blocks == 2 and private in third.blocks
     assert cache.grow(third, 5 * BT) and cache.cached_blocks == 1
     # a released sequence's blocks go idle tail first, so the tail is evicted first: the prefix stays usable
-    assert cache.lookup(p + [7]).tokens == BT
-    assert cache.grow(third, 6 * BT) and cache.cached_blocks == 0 and cache.lookup(p + [7]).tokens == 0
+    assert cache.lookup(cache.names_of(p + [7])).tokens == BT
+    assert cache.grow(third, 6 * BT) and cache.cached_blocks == 0 and cache.lookup(cache.names_of(p + [7])).tokens == 0
     cache.release(third)
 
 

@@ -143,16 +143,18 @@ class SlotBlocks:
             return []
         return block_names(tokens[: len(tokens) - 1], self.spec.block_tokens, self.prefix.salt)
 
-    def lookup(self, tokens: list[int], names: list[bytes] | None = None) -> Hit:
-        """The cached prefix a new sequence over `tokens` may start on (`names`: `names_of(tokens)`, if known)."""
+    def lookup(self, names: list[bytes]) -> Hit:
+        """The cached prefix a new sequence whose blocks are named `names` (`names_of`) may start on."""
         if self.prefix is None:
             return Hit([], 0)
-        return self.prefix.match(self.names_of(tokens) if names is None else names, self.prefix_mode.mode == "exact")
+        return self.prefix.match(names, self.prefix_mode.mode == "exact")
 
     def blocks_needed(self, tokens: int, hit: Hit) -> int:
-        """Blocks a new sequence of `tokens` positions starting on `hit` takes from `free_blocks`."""
-        return self.blocks_for(tokens) - len(hit.blocks) + self.prefix.idle_among(hit.blocks) if self.prefix else \
-            self.blocks_for(tokens)
+        """Blocks a new sequence of `tokens` positions starting on `hit` takes from `free_blocks` (its cached
+        blocks nobody references count there, so taking them costs as much as a new block)."""
+        if self.prefix is None:
+            return self.blocks_for(tokens)
+        return self.blocks_for(tokens) - len(hit.blocks) + self.prefix.idle_among(hit.blocks)
 
     def start(self, seq: SeqCache, hit: Hit, tokens: list[int]) -> int:
         """Put a newly admitted sequence on its hit: take the shared blocks, restore or rebuild its window state;
@@ -221,7 +223,7 @@ class SlotBlocks:
         for b in [b for b in seq.pending if b // bt <= len(seq.names)]:
             sid, owner = seq.pending.pop(b), prefix.block_of.get(seq.names[b // bt - 1])
             if owner is None:
-                prefix.release_snapshot(sid)
+                prefix.free_snapshot(sid)
             else:
                 prefix.attach_snapshot(owner, sid)
 
@@ -246,7 +248,7 @@ class SlotBlocks:
             self._free_blocks.extend(reversed(seq.blocks))
         else:
             for sid in [*seq.take.values(), *seq.pending.values()]:
-                self.prefix.release_snapshot(sid)
+                self.prefix.free_snapshot(sid)
             seq.take, seq.pending, seq.wanted, seq.names = {}, {}, [], []
             self._free_blocks.extend(b for b in reversed(seq.blocks) if self.prefix.drop(b))
         seq.blocks = []

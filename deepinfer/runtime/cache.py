@@ -137,8 +137,8 @@ class PagedCache(SlotBlocks):
                 c.snap_gate[snap] = c.ov_gate[slot]
 
     def snapshot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in
-                   [layer.snap_ring, *(x for c in layer.carried() for x in (c.snap_kv, c.snap_gate))] if t is not None)
+        """Bytes of every window snapshot kept (exact prefix caching)."""
+        return self.spec.snapshots * self.layout.snapshot_bytes
 
     def block_table(self, seqs: list[SeqCache], rows: int | None = None) -> torch.Tensor:
         """[rows, max_blocks_per_seq] int64, scratch-padded (missing blocks and padding rows)."""

@@ -77,7 +77,7 @@ class PrefixIndex:
         self.name_of: dict[int, bytes] = {}  # published block -> its name
         self.block_of: dict[bytes, int] = {}  # name -> the published block holding it
         self.idle: OrderedDict[int, None] = OrderedDict()  # published, unreferenced: eviction order (oldest first)
-        self.free_snapshots = list(range(snapshots - 1, -1, -1))
+        self.spare_snapshots = list(range(snapshots - 1, -1, -1))
         self.snapshot_of: dict[int, int] = {}  # published block -> the snapshot at its end
         self.owner_of: dict[int, int] = {}  # snapshot -> the block it belongs to
         self.snapshot_lru: OrderedDict[int, None] = OrderedDict()  # snapshots held by blocks, oldest first
@@ -129,7 +129,7 @@ class PrefixIndex:
         del self.block_of[self.name_of.pop(block)]
         snapshot = self.snapshot_of.get(block)
         if snapshot is not None:
-            self._free_snapshot(snapshot)
+            self.free_snapshot(snapshot)
         return block
 
     # ---- publishing ----
@@ -142,10 +142,10 @@ class PrefixIndex:
         return True
 
     def attach_snapshot(self, block: int, snapshot: int) -> None:
-        """Give a published block the snapshot taken at its end (replacing an older one); a block that is not
-        published (or already has one) returns the snapshot to the pool."""
+        """Give a published block the snapshot taken at its end; where the block is not published (or already has
+        one) the snapshot goes back to the pool."""
         if block not in self.name_of or block in self.snapshot_of:
-            self._free_snapshot(snapshot)
+            self.free_snapshot(snapshot)
             return
         self.snapshot_of[block] = snapshot
         self.owner_of[snapshot] = block
@@ -157,24 +157,17 @@ class PrefixIndex:
 
     def new_snapshot(self) -> int | None:
         """A snapshot to write: a free one, else the least recently used one taken from its block."""
-        if self.free_snapshots:
-            return self.free_snapshots.pop()
+        if self.spare_snapshots:
+            return self.spare_snapshots.pop()
         if not self.snapshot_lru:
             return None
         snapshot, _ = self.snapshot_lru.popitem(last=False)
         del self.snapshot_of[self.owner_of.pop(snapshot)]
         return snapshot
 
-    def _free_snapshot(self, snapshot: int) -> None:
+    def free_snapshot(self, snapshot: int) -> None:
+        """Back to the pool: taken from its block if it has one (a snapshot never attached has none)."""
         if snapshot in self.owner_of:
             del self.snapshot_of[self.owner_of.pop(snapshot)]
             self.snapshot_lru.pop(snapshot, None)
-        self.free_snapshots.append(snapshot)
-
-    def release_snapshot(self, snapshot: int) -> None:
-        """A snapshot taken but never attached (its block did not get published) goes back to the pool."""
-        self._free_snapshot(snapshot)
-
-    @property
-    def referenced(self) -> int:
-        return sum(1 for r in self.refs if r > 0)
+        self.spare_snapshots.append(snapshot)

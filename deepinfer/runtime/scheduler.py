@@ -146,7 +146,7 @@ class Scheduler:
             return self.cache.lookup([])
         if req.block_names is None or req.block_names[0] != req.num_prefill:
             req.block_names = (req.num_prefill, self.cache.names_of(req.prefill_ids))
-        return self.cache.lookup([], req.block_names[1])
+        return self.cache.lookup(req.block_names[1])
 
     def _prefill_step(self) -> PrefillStep | None:
         budget, chunks = self.config.max_prefill_tokens, []

@@ -158,7 +158,7 @@ class OutputProcessor:
     """Decodes one request's generated tokens through deepseek-recipe's stream processor into the API's
     response object (Chat Completions for plain prompts), keeping the stream of chunks and/or passing each
     chunk to `sink` as it is produced when asked to. The stream opens with `start(cached_tokens)` at the request's
-    first admission (the prompt tokens found in the prefix cache go into the usage: Chat Completions
+    first prefill chunk (the prompt tokens found in the prefix cache go into the usage: Chat Completions
     `prompt_tokens_details.cached_tokens` and `prompt_cache_hit_tokens`, Responses
     `input_tokens_details.cached_tokens`, Messages `cache_read_input_tokens`), or at the first token with none cached."""
 
@@ -191,7 +191,7 @@ class OutputProcessor:
 
     def start(self, cached_tokens: int) -> None:
         """Open the stream: feed the ready chunk with the prompt's usage, `cached_tokens` of its tokens found in the
-        prefix cache (known at the request's first admission). Only the first call feeds; `push`,
+        prefix cache (known at the request's first prefill chunk). Only the first call feeds; `push`,
         `push_stop_token` and `finish` call `start(0)` when no call came before them."""
         if self._started:
             return
