@@ -12,6 +12,7 @@ from deepinfer.assemble import EngineOptions, assemble_v4, assemble_v41, check_v
 from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.runtime.backend import select as select_backend
 from deepinfer.runtime.engine import Engine, RunStats
+from deepinfer.runtime.speculative import speculator
 from deepinfer.runtime.prefix import PrefixMode
 from deepinfer.env import Env
 from deepinfer.errors import ConfigError, RequestError
@@ -22,7 +23,7 @@ from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
-from deepinfer.options import check_options, model_len, resolve_dtype
+from deepinfer.options import check_options, draft_tokens, model_len, resolve_dtype, speculative_request
 from deepinfer.prompt_items import Prepared, PromptInput, conversations, expand_params, prepare, prompt_list
 
 log = logging.getLogger("deepinfer")
@@ -54,6 +55,7 @@ class LLM:
         async_scheduling: bool = True,
         batch_invariant: bool | None = None,
         prefix_cache: str | None = None,
+        speculative_tokens: int | None = None,
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
@@ -63,7 +65,8 @@ class LLM:
     ):
         args = {k: v for k, v in locals().items() if k in _LLM_ARGS}
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
-                      gpu_memory_utilization, random_seed, quantization, batch_invariant, prefix_cache)
+                      gpu_memory_utilization, random_seed, quantization, batch_invariant, prefix_cache,
+                      speculative_tokens)
         self.parallel = ParallelConfig(data_parallel_size, tensor_parallel_size, enable_expert_parallel)
         eplb = eplb_config(self.parallel, enable_eplb, eplb_redundant_experts, eplb_step_interval)
         self.last_stats: RunStats | None = None
@@ -122,21 +125,27 @@ class LLM:
         self.prefix_cache = PrefixMode("off" if v41 else prefix_cache or ("exact" if self.batch_invariant
                                                                            else "approximate"),
                                        env.swa_replay_tokens)
+        drafts = speculative_request(speculative_tokens, env.nextn_decode, v41=v41, ranks=self.parallel.world,
+                                     prefix=self.prefix_cache.mode)  # None: 5 where the model has an MTP layer
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
-                             prefix_cache=self.prefix_cache)
+                             prefix_cache=self.prefix_cache, draft_layers=int(drafts != 0 and not v41))
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:
-            built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts, self._comm, eplb)
+            built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts, self._comm, eplb,
+                                load_mtp=drafts != 0)
         self.model, self.cache, self.weight_bytes = built.model, built.cache, built.weight_bytes
-        self.memory_report, self.mtp_tensors = built.memory_report, built.mtp_tensors
+        self.memory_report = built.memory_report
         log.debug(self.memory_report)
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
+        self.speculative_tokens = draft_tokens(drafts, speculative_tokens is not None, len(getattr(
+            self.model.weights, "mtp", ())) if not v41 else 0, str(self.model_dir or "the tiny random model"))
         self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens, async_scheduling),
-                             self.grammars, max_len=self.max_model_len)
+                             self.grammars, max_len=self.max_model_len, speculator=speculator(
+                                 built.steps, self.speculative_tokens))
         begin = time.perf_counter()
         self.engine.capture_all()  # every decode-graph bucket at start, not in the first requests' path
         log.info("deepinfer: start-up: graph capture %.2f s (every decode bucket)", time.perf_counter() - begin)
@@ -155,7 +164,8 @@ class LLM:
         line = (f"model {self.model_dir or 'tiny-random'} ({self.config.num_hidden_layers} layers, {self.model.dtype}), "
                 f"tokenizer {self.recipe.path} ({self.recipe.encoding_name} encoding), backend {self.backend.name} "
                 f"({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, max {self.engine.max_len} "
-                f"per sequence, prefix cache {prefix}; {self.memory_report}")
+                f"per sequence, prefix cache {prefix}" + (f", speculative decoding {self.speculative_tokens} MTP drafts"
+                                                          if self.speculative_tokens else "") + f"; {self.memory_report}")
         if self._comm is not None:
             from deepinfer.parallel.ranks import describe
 
@@ -362,7 +372,7 @@ class LLM:
 
 _LLM_ARGS = ("model", "backend", "dtype", "tokenizer", "max_num_seqs", "max_prefill_tokens", "max_model_len", "num_blocks",
              "gpu_memory_utilization", "random_seed", "show_progress", "quantization", "async_scheduling",
-             "batch_invariant", "prefix_cache",
+             "batch_invariant", "prefix_cache", "speculative_tokens",
              "data_parallel_size", "tensor_parallel_size", "enable_expert_parallel", "enable_eplb",
              "eplb_redundant_experts", "eplb_step_interval")
 

@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class EngineOptions:
     show_progress: bool
     batch_invariant: bool = False  # the backend's op table is the batch-invariant one (its plan compiled so)
     prefix_cache: PrefixMode = PrefixMode("off")  # DeepSeek-V4's prefix cache (runtime/prefix.py)
+    draft_layers: int = 0  # MTP layers to load and give a window ring per slot (speculative decoding)
 
     @property
     def snapshots(self) -> int:
@@ -57,7 +58,6 @@ class Assembled:
     steps: ModelSteps
     weight_bytes: int
     memory_report: str
-    mtp_tensors: dict[str, Any] = field(default_factory=dict)
 
 
 def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, weights: int, cache_bytes) -> None:
@@ -67,7 +67,7 @@ def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, we
     cache_need, cache_desc = 0, ""
     if opts.num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
         probe = cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
-                           opts.gpu_memory_utilization, snapshots=opts.snapshots)
+                           opts.gpu_memory_utilization, snapshots=opts.snapshots, draft_layers=opts.draft_layers)
         cache_need = cache_bytes(probe)
         cache_desc = (f" (num_blocks={probe.num_blocks} blocks of {probe.block_tokens} positions, "
                       f"max_num_seqs={probe.max_seqs} slots)")
@@ -79,11 +79,12 @@ def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, we
 
 
 def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtype: torch.dtype, env: Env,
-                opts: EngineOptions, comm=None, eplb=None) -> Assembled:
+                opts: EngineOptions, comm=None, eplb=None, load_mtp: bool = True) -> Assembled:
     """`comm` (a `deepinfer.parallel.comm.Comm`): this process is one rank of several; it keeps its share
-    (`eplb`: an `EplbConfig` when the split experts are balanced)."""
+    (`eplb`: an `EplbConfig` when the split experts are balanced). `load_mtp`: the MTP draft layers' weights are
+    loaded too, when the checkpoint (or the random tiny model's config) has them."""
     from deepinfer.model.model import DeepseekV4
-    from deepinfer.model.weights import ModelWeights, tensor_specs
+    from deepinfer.model.weights import ModelWeights, mtp_tensor_specs, tensor_specs
     from deepinfer.runtime.graph import DecodeGraphs
     from deepinfer.runtime.steps import V4Steps
     from deepinfer.weights.loader import weight_bytes
@@ -97,7 +98,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
 
         placement = expert_placement(cfg, comm, eplb)
         share = rank_share(cfg, comm.rank, placement)
-    weights_size = (weight_bytes(model_dir, cfg, dtype, keep, share) if model_dir is not None
+    weights_size = (weight_bytes(model_dir, cfg, dtype, keep, share, load_mtp) if model_dir is not None
                     else tiny_weight_bytes(cfg, dtype, share))
     def cache_bytes(spec: CacheSpec) -> int:
         layout = CacheLayout.build(cfg, spec, dtype)
@@ -107,25 +108,29 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     if backend.kernel_target is not None:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
     clock = Phases()
-    mtp: dict[str, Any] = {}
     experts = None
     if model_dir is None:
         from deepinfer.tiny import random_tensors
 
         tensors = random_tensors(cfg, seed=opts.random_seed, dtype=dtype)
+        tensors = tensors if load_mtp else {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+        mtp_layers = cfg.num_nextn_predict_layers if load_mtp else 0
     else:
         from deepinfer.weights.loader import load_checkpoint
 
-        bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
+        total = len(tensor_specs(cfg)) + (len(mtp_tensor_specs(cfg)) if load_mtp else 0)
+        bar = progress_bar(opts.show_progress, "loading weights", total=total)
         # each tensor goes to the device as soon as it is read: the host holds one tensor at a time
         ckpt = load_checkpoint(model_dir, cfg, dtype, backend.device, progress=None if bar is None else bar.update,
                                keep_quantized=keep,
-                               experts_of=None if placement is None else experts_to_read(placement, comm.rank.rank))
+                               experts_of=None if placement is None else experts_to_read(placement, comm.rank.rank),
+                               load_mtp=load_mtp)
         if bar is not None:
             bar.close()
-        tensors, mtp = ckpt.tensors, ckpt.mtp
-        if mtp:
-            log.info("checkpoint holds %d mtp.* tensors (MTP draft layers): recorded, not loaded", len(mtp))
+        tensors, mtp_layers = ckpt.tensors, ckpt.mtp_layers
+    if cfg.has_mtp:
+        log.info("MTP draft layers: %d of the config's %d loaded%s", mtp_layers, cfg.num_nextn_predict_layers,
+                 "" if load_mtp else " (load_mtp=False)")
     device = backend.device
     layout = kernel_layout(backend)
     if placement is not None:  # this rank's expert slots (cut here from random weights; a checkpoint's are read so)
@@ -144,7 +149,8 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
     ready_kernels(backend, cfg, dtype, env, opts, clock)
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
-                                       opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots),
+                                       opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots,
+                                       draft_layers=min(opts.draft_layers, len(model.weights.mtp))),
                        dtype, device)
     cache.enable_prefix(opts.prefix_cache, cache.salt())
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
@@ -159,7 +165,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
         from deepinfer.parallel.lockstep import LockstepSteps
 
         steps = LockstepSteps(steps, model, comm)
-    return Assembled(model, cache, steps, weights_size, report, mtp)
+    return Assembled(model, cache, steps, weights_size, report)
 
 
 def kernel_layout(backend: Backend):

@@ -46,9 +46,19 @@ def summary(stats, n_requests: int, start: float) -> None:
         f"prefill {prefill_rate:.1f} tok/s, decode {decode_rate:.1f} tok/s ({stats.decode_steps} steps); "
         f"first token {ttft:.2f} s after start" + (f"; {stats.preemptions} preemption(s)" if stats.preemptions else "")
         + (f"; experts max/mean per rank {stats.expert_balance:.3f} ({stats.expert_rebalances} rebalance(s))"
-           if stats.expert_balance is not None else "") + prefix_cache_clause(stats),
+           if stats.expert_balance is not None else "") + prefix_cache_clause(stats) + speculative_clause(stats),
         err=True,
     )
+
+
+def speculative_clause(stats) -> str:
+    """'; speculative: ...' for the throughput line when decode steps verified draft tokens, else ''."""
+    spec = stats.spec
+    if not spec.steps:
+        return ""
+    per = "/".join(f"{a:.2f}" for a in spec.acceptance)
+    return (f"; speculative: {spec.mean_accepted:.2f} tokens per request-step, acceptance by draft position {per}, "
+            f"{spec.verify_tokens / spec.steps:.1f} verify tokens per step")
 
 
 def prefix_cache_clause(stats) -> str:

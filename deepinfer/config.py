@@ -88,6 +88,11 @@ class ModelConfig:
         return self.rope_main if self.layer_types[layer] == SLIDING else self.rope_compress
 
     @property
+    def has_mtp(self) -> bool:
+        """The model has MTP (nextn) draft layers, `mtp.{j}.*`: sliding-window, top-k MoE blocks after the last."""
+        return self.num_nextn_predict_layers > 0
+
+    @property
     def group_in_dim(self) -> int:
         """Input width of one group of the grouped output projection (n_h * D / g)."""
         return self.num_attention_heads * self.head_dim // self.o_groups
@@ -151,7 +156,7 @@ _DEFAULTS: dict[str, Any] = {
     "eos_token_id": 1,
     "hidden_act": "silu",
     "num_hash_layers": 3,
-    "num_nextn_predict_layers": 1,
+    "num_nextn_predict_layers": 0,  # absent: no MTP layers (HF's own default is 1)
 }
 
 
@@ -277,7 +282,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=eos_ids,
         dtype=dtype_name,
-        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", source, minimum=0),
         raw=raw,
     )
     _check_consistency(cfg, source)
@@ -289,10 +294,11 @@ def _layer_types(raw: dict[str, Any], n_layers: int, source: str) -> tuple[str, 
     if types is None and raw.get("compress_ratios") is not None:
         types = []
         for i, ratio in enumerate(raw["compress_ratios"]):
-            if ratio not in _RATIO_TO_LAYER_TYPE:
-                raise ConfigError(
-                    f"{source}: compress_ratios[{i}] is {ratio!r}; accepted ratios: 0 (sliding), 4 (CSA), 128 (HCA)"
-                )
+            mtp = i >= n_layers  # an MTP layer's slot (cut below): that layer is sliding-window only
+            if ratio not in ((0,) if mtp else _RATIO_TO_LAYER_TYPE):
+                raise ConfigError(f"{source}: compress_ratios[{i}] is {ratio!r}; accepted ratios: " + (
+                    f"0 only, at an MTP layer's slot (index >= num_hidden_layers={n_layers}: sliding-window only)"
+                    if mtp else "0 (sliding), 4 (CSA), 128 (HCA)"))
             types.append(_RATIO_TO_LAYER_TYPE[ratio])
     if types is None:  # HF's built-in default: 2 x HCA, then HCA/CSA alternating
         types = [HCA] * min(n_layers, 2) + [CSA if i % 2 else HCA for i in range(max(n_layers - 2, 0))]
@@ -383,9 +389,8 @@ def _check_consistency(cfg: ModelConfig, source: str) -> None:
             f"by o_groups ({cfg.o_groups})"
         )
     if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        raise ConfigError(
-            f"{source}: num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts ({cfg.n_routed_experts})"
-        )
+        raise ConfigError(f"{source}: num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds n_routed_experts "
+                          f"({cfg.n_routed_experts})")
     if cfg.index_head_dim < cfg.rope_head_dim and CSA in cfg.layer_types:
         raise ConfigError(
             f"{source}: index_head_dim ({cfg.index_head_dim}) must be >= the rotary width ({cfg.rope_head_dim})"

@@ -10,6 +10,7 @@ from typing import Mapping
 from deepinfer.errors import ConfigError
 
 ACCELERATORS = ("cpu", "nvidia", "ascend")
+MAX_DRAFT_TOKENS = 16  # speculative decoding: draft tokens per step at most
 _FLAGS = {"0": False, "1": True, "false": False, "true": True, "off": False, "on": True}
 
 
@@ -21,6 +22,7 @@ class Env:
     dist_timeout: float = 300.0  # DEEPINFER_DIST_TIMEOUT: seconds a collective between ranks may wait
     batch_invariant: bool = False  # DEEPINFER_BATCH_INVARIANT: 1 = a request's result does not depend on its batch
     swa_replay_tokens: int = 128  # DEEPINFER_SWA_REPLAY_TOKENS: tokens an approximate prefix hit prefills again
+    nextn_decode: int | None = None  # DEEPINFER_USE_NEXTN_DECODE: draft tokens per step (unset: 5 with a drafter)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -47,9 +49,15 @@ class Env:
         if replay < 1:
             raise ConfigError(f"DEEPINFER_SWA_REPLAY_TOKENS={raw_replay!r} is not valid; accepted: an integer >= 1 "
                               "(tokens prefilled again before an approximate prefix hit; unset: 128)")
+        raw_nextn = (environ.get("DEEPINFER_USE_NEXTN_DECODE") or "").strip()
+        nextn = int(raw_nextn) if raw_nextn.isdigit() else None
+        if raw_nextn and (nextn is None or nextn > MAX_DRAFT_TOKENS):
+            raise ConfigError(f"DEEPINFER_USE_NEXTN_DECODE={raw_nextn!r} is not valid; accepted: an integer from 0 to "
+                              f"{MAX_DRAFT_TOKENS} (draft tokens per decode step, 0 = plain decoding; unset: 5 when "
+                              "the checkpoint has an MTP layer)")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
                    cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant],
-                   swa_replay_tokens=replay)
+                   swa_replay_tokens=replay, nextn_decode=nextn)
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer.config import ModelConfig
+from deepinfer.env import MAX_DRAFT_TOKENS
 from deepinfer.errors import ConfigError
 from deepinfer.runtime.cache import CacheLayout, CacheSpec
 from deepinfer.runtime.prefix import MODES as PREFIX_MODES
@@ -31,18 +32,20 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
                num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128,
-               unit: Callable[[CacheSpec], tuple[int, int]] | None = None, snapshots: int = 0) -> CacheSpec:
+               unit: Callable[[CacheSpec], tuple[int, int]] | None = None, snapshots: int = 0,
+               draft_layers: int = 0) -> CacheSpec:
     """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
     `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
     enough for every slot at full length. `unit(spec)` -> (bytes per block, bytes per slot) of the model's
     cache (default: V4's `CacheLayout`). `snapshots`: sliding-window snapshots to keep (exact prefix caching;
-    V4's layout only), taken out of the memory budget first."""
+    V4's layout only), taken out of the memory budget first; `draft_layers`: MTP layers' window rings per slot
+    (speculative decoding; V4's layout only)."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
         num_blocks = max_seqs * per_seq
         if memory is not None:
-            probe = CacheSpec(0, max_seqs, per_seq, block_tokens)
+            probe = CacheSpec(0, max_seqs, per_seq, block_tokens, draft_layers=draft_layers)
             if unit is None:
                 layout = CacheLayout.build(cfg, probe, dtype)
                 per_block, per_slot = layout.block_bytes, layout.slot_bytes
@@ -60,7 +63,7 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
     return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens,
-                     snapshots=snapshots)
+                     snapshots=snapshots, draft_layers=draft_layers)
 
 
 def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:
@@ -94,7 +97,7 @@ def _count(value: Any) -> bool:
 
 def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
                   gpu_memory_utilization, random_seed, quantization="auto", batch_invariant=None,
-                  prefix_cache=None) -> None:
+                  prefix_cache=None, speculative_tokens=None) -> None:
     """Types and ranges of LLM's arguments, before anything is loaded."""
     _option("model", model, model is None or isinstance(model, (str, Path)), "a model directory path (str or Path) or None")
     _option("backend", backend, backend is None or isinstance(backend, str), "a target name or None")
@@ -117,6 +120,11 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
             "True, False or None ($DEEPINFER_BATCH_INVARIANT)")
     _option("prefix_cache", prefix_cache, prefix_cache is None or prefix_cache in PREFIX_MODES,
             f"one of {', '.join(PREFIX_MODES)}, or None (approximate; exact with batch_invariant)")
+    _option("speculative_tokens", speculative_tokens, speculative_tokens is None or (
+        isinstance(speculative_tokens, int) and not isinstance(speculative_tokens, bool)
+        and 0 <= speculative_tokens <= MAX_DRAFT_TOKENS),
+        f"an integer from 0 to {MAX_DRAFT_TOKENS} (draft tokens per decode step; 0 = plain decoding) or None "
+        "($DEEPINFER_USE_NEXTN_DECODE, else 5 when the checkpoint has an MTP layer)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
                           "path, or None for the model directory's own (else the V4 default)")
@@ -148,3 +156,32 @@ def tiny_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, share=None) -> int:
     size = {MODEL: torch.empty((), dtype=dtype).element_size(), FP32: 4}
     return int(sum(math.prod(spec.shape) * size.get(spec.kind, 8) * (1.0 if share is None else share(name))
                    for name, spec in tensor_specs(cfg).items()))
+
+
+def speculative_request(explicit: int | None, env_value: int | None, *, v41: bool, ranks: int, prefix: str) -> int | None:
+    """The draft tokens per step asked for: `explicit` (LLM / --speculative-tokens), else `env_value`
+    (DEEPINFER_USE_NEXTN_DECODE); None: the default (5 when the checkpoint has an MTP layer). 0 where speculative
+    decoding does not run yet (an explicit K > 0 there is a ConfigError; the variable is then ignored)."""
+    blocked = ("DeepSeek-V4.1 (its DSpark drafting is not implemented yet)" if v41 else
+               "several ranks" if ranks > 1 else "prefix_cache='exact' (--prefix-cache exact)" if prefix == "exact"
+               else None)
+    if blocked is None:
+        return explicit if explicit is not None else env_value
+    if explicit:
+        raise ConfigError(f"speculative_tokens={explicit}: speculative decoding does not run with {blocked} yet; "
+                          "pass 0 (or leave it unset)")
+    return 0
+
+
+def draft_tokens(requested: int | None, explicit: bool, mtp_layers: int, model: str) -> int:
+    """Draft tokens per step for a model with `mtp_layers` MTP layers loaded: `requested`, or 5 (None) when it has
+    one; a ConfigError for an explicit K > 0 on a model without."""
+    if mtp_layers:
+        return DEFAULT_DRAFT_TOKENS if requested is None else requested
+    if explicit and requested:
+        raise ConfigError(f"speculative_tokens={requested}: {model} has no MTP layer to draft with (no mtp.* "
+                          "tensors, or num_nextn_predict_layers 0 in its config.json); pass 0 or leave it unset")
+    return 0
+
+
+DEFAULT_DRAFT_TOKENS = 5  # DEEPINFER_USE_NEXTN_DECODE's default in the product

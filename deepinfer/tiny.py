@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import ModelConfig
-from deepinfer.model.weights import FP32, INT, tensor_specs
+from deepinfer.model.weights import FP32, INT, mtp_tensor_specs, tensor_specs
 
 TINY_CONFIG = {
     "model_type": "deepseek_v4",
@@ -51,10 +51,11 @@ def tiny_config() -> ModelConfig:
 
 def random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Deterministic random weights for every tensor of `cfg` (canonical names), generated on `device`."""
+    """Deterministic random weights for every tensor of `cfg` (canonical names), generated on `device`: the
+    target's, then its MTP draft layers' (when the config has them; the target's values are the same either way)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, spec in tensor_specs(cfg).items():
+    for name, spec in {**tensor_specs(cfg), **mtp_tensor_specs(cfg)}.items():
         if spec.kind == INT:
             out[name] = torch.randint(0, cfg.n_routed_experts, spec.shape, generator=gen, device=device)
             continue

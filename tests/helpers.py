@@ -29,6 +29,8 @@ TINY_B: dict[str, Any] = dict(
     sliding_window=16, hc_mult=2, num_hash_layers=1, scoring_func="sigmoid", rope_scaling=YARN,
     routed_scaling_factor=2.5, max_position_embeddings=4096,
 )
+# TINY_A with one MTP (nextn) draft layer, as V4-Flash lists it: its compress_ratios slot after the last layer, 0.
+TINY_MTP: dict[str, Any] = dict(TINY_A, num_nextn_predict_layers=1, compress_ratios=[0, 4, 128, 4, 128, 0])
 
 
 def hf_config(raw: dict[str, Any]):

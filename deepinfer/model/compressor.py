@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.runtime.cache import Compressor, SeqCache
+from deepinfer.model.rollback import CompressorFeed
 from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
 
@@ -46,8 +47,12 @@ def compress_prefill(
     gate = torch.cat([comp.buf_gate[slot, :fill], gate], dim=0)
     usable = (kv.shape[0] // rate) * rate
     left = kv.shape[0] - usable
-    comp.buf_kv[slot, :left] = kv[usable:]
-    comp.buf_gate[slot, :left] = gate[usable:]
+    tentative = seq.undo is not None  # verifying drafts: the buffer and overlap are fed on commit (model.rollback)
+    if tentative:
+        seq.undo.append(CompressorFeed(comp, w.position_bias, slot, t0 - fill, kv, gate))
+    else:
+        comp.buf_kv[slot, :left] = kv[usable:]
+        comp.buf_gate[slot, :left] = gate[usable:]
     blocks = torch.tensor(seq.blocks, dtype=torch.long, device=kv.device)
     if usable:
         n = usable // rate
@@ -63,8 +68,9 @@ def compress_prefill(
             if first_entry > 0:  # the previous call closed a window: its first series is the overlap
                 slots_kv[0, :rate] = comp.ov_kv[slot]
                 slots_gate[0, :rate] = comp.ov_gate[slot]
-            comp.ov_kv[slot] = chunk_kv[-1, :, :d]
-            comp.ov_gate[slot] = chunk_gate[-1, :, :d]
+            if not tentative:
+                comp.ov_kv[slot] = chunk_kv[-1, :, :d]
+                comp.ov_gate[slot] = chunk_gate[-1, :, :d]
             for boundary, snapshot in seq.take.items():  # exact prefix cache: the overlap at a block boundary
                 j = boundary // rate - 1 - first_entry  # the window that ends there
                 if 0 <= j < n:

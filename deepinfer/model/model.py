@@ -20,7 +20,7 @@ from deepinfer.model.compressor import RopeTables
 from deepinfer.model.decode import DecodeInputs, StepRows, decode_core
 from deepinfer.model.moe import moe
 from deepinfer.model.rope import inv_freq
-from deepinfer.model.weights import MoE, ModelWeights
+from deepinfer.model.weights import HyperConnection, Layer, MoE, ModelWeights
 from tilekernels import OpTable
 
 if TYPE_CHECKING:
@@ -53,13 +53,21 @@ class DeepseekV4:
 
     @torch.inference_mode()
     def prefill(self, cache: PagedCache, ids: torch.Tensor, positions: torch.Tensor,
-                seqs: list[tuple[SeqCache, int, int]], logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                seqs: list[tuple[SeqCache, int, int]], logit_rows: torch.Tensor | None = None,
+                hidden: bool = False, tentative: bool = False):
         """Chunks of sequences: `seqs` lists (sequence, first row, rows) of the flat `ids`/`positions`; each chunk
         continues its sequence (its first position is the sequence's token count). Returns fp32 logits of
-        `logit_rows` (every row when None). Advances each sequence's token count."""
+        `logit_rows` (every row when None), and with `hidden` also every row's final residual streams [N, hc, H]
+        (what the MTP draft layer reads). Advances each sequence's token count.
+
+        `tentative` (verifying draft tokens): the chunks' writes to the bounded slot state are recorded so that
+        `rollback.commit(seq, end)` keeps only positions before `end` (ring rows of later positions restored,
+        compressor buffers and overlap fed only up to `end`)."""
         for seq, start, _ in seqs if not positions.is_meta else ():  # a meta trace has no values to check
             if int(positions[start]) != seq.num_tokens:
                 raise AssertionError(f"chunk starts at {int(positions[start])} but the sequence holds {seq.num_tokens}")
+            if tentative:
+                seq.undo = []
 
         rotated = positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
 
@@ -68,10 +76,11 @@ class DeepseekV4:
             p = project(ctx, w, x, rotated)
             return self._gathered(finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), rotated))
 
-        logits = self._forward(ids, attend, logit_rows)
+        streams = self.blocks(ids, attend)
+        logits = self.head(streams, logit_rows)
         for seq, _, length in seqs:
             seq.num_tokens += length
-        return logits
+        return (logits, streams) if hidden else logits
 
     @torch.inference_mode()
     def decode(self, cache: PagedCache, inp: DecodeInputs) -> torch.Tensor:
@@ -85,7 +94,7 @@ class DeepseekV4:
             p = project(ctx, w, x, rotated)
             return self._gathered(finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated))
 
-        return self._forward(inp.ids, attend, None)
+        return self.head(self.blocks(inp.ids, attend), None)
 
     def _gathered(self, attention: torch.Tensor) -> torch.Tensor:
         """The attention output summed over the tensor-parallel ranks' heads (as is on one rank)."""
@@ -101,26 +110,37 @@ class DeepseekV4:
         for layer in range(cfg.num_hidden_layers):
             self._experts(layer, indices[:, 0], x, weights, indices, cfg.swiglu_limit)
 
-    def _forward(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
-                 logit_rows: torch.Tensor | None) -> torch.Tensor:
+    def blocks(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Embed, then every layer: the final residual streams [N, hc, H]."""
+        cfg = self.cfg
+        streams = self.ops.embedding(ids, self.weights.embed).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.weights.layers):
+            streams = self.block(layer, streams, partial(attend, i), partial(self._moe, i, layer.moe, input_ids=ids))
+        return streams
+
+    def block(self, layer: Layer, streams: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+              ffn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One V4 block on the residual streams: mHC collapse -> attention -> mHC mix, mHC collapse -> FFN -> mHC mix."""
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        hc = layer.attn_hc
+        post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        streams = ops.hc_post(streams, attend(ops.rms_norm(collapsed, layer.input_norm, eps)), post, comb)
+        hc = layer.ffn_hc
+        post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        return ops.hc_post(streams, ffn(ops.rms_norm(collapsed, layer.post_attention_norm, eps)), post, comb)
+
+    def head(self, streams: torch.Tensor, logit_rows: torch.Tensor | None, hc: HyperConnection | None = None,
+             norm: torch.Tensor | None = None) -> torch.Tensor:
+        """The HyperHead collapse, the final norm and the LM head of `logit_rows` (every row when None): fp32
+        logits. `hc`/`norm`: another head's collapse and norm (an MTP layer's) before the shared LM head."""
         cfg, ops, w = self.cfg, self.ops, self.weights
-        eps = cfg.rms_norm_eps
-        x = ops.embedding(ids, w.embed)
-        streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        for i, layer in enumerate(w.layers):
-            hc = layer.attn_hc
-            post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-            streams = ops.hc_post(streams, attend(i, ops.rms_norm(collapsed, layer.input_norm, eps)), post, comb)
-            hc = layer.ffn_hc
-            post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-            f = self._moe(i, layer.moe, ops.rms_norm(collapsed, layer.post_attention_norm, eps), ids)
-            streams = ops.hc_post(streams, f, post, comb)
+        hc, norm = hc or w.hc_head, w.norm if norm is None else norm
         if logit_rows is not None:
             streams = streams[logit_rows]
             if streams.shape[0] == 0:  # a prefill step that ends no prompt: no head (a kernel takes no empty grid)
                 return streams.new_zeros((0, cfg.vocab_size), dtype=torch.float32)
-        hc = w.hc_head
-        h = ops.rms_norm(ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, eps), w.norm, eps)
+        h = ops.rms_norm(ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_norm_eps), norm,
+                         cfg.rms_norm_eps)
         return ops.linear(h, w.lm_head).float()
 
     def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

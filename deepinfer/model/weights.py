@@ -1,5 +1,5 @@
-"""The tensors of a DeepSeek-V4 model: their canonical names and shapes (`tensor_specs`), and the typed
-containers the forward pass reads (`ModelWeights.from_tensors`).
+"""The tensors of a DeepSeek-V4 model: their canonical names and shapes (`tensor_specs`; the MTP draft layers':
+`mtp_tensor_specs`), and the typed containers the forward pass reads (`ModelWeights.from_tensors`).
 
 Canonical names are HF transformers' in-memory names without the leading `model.` (e.g.
 `layers.3.self_attn.q_a_proj.weight`); `deepinfer.weights.names` maps every checkpoint spelling onto them.
@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from deepinfer.config import CSA, HASH_MOE, HCA, ModelConfig
+from deepinfer.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
 from deepinfer.errors import WeightsError
 from tilekernels.quant import BlockQuantized, cat_rows, dense
 
@@ -27,9 +27,8 @@ class TensorSpec:
 
 
 def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor the model needs, by canonical name."""
+    """Every tensor the target model needs, by canonical name (the MTP layers': `mtp_tensor_specs`)."""
     h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-    nh, d = cfg.num_attention_heads, cfg.head_dim
     specs: dict[str, TensorSpec] = {
         "embed_tokens.weight": TensorSpec((v, h), MODEL),
         "lm_head.weight": TensorSpec((v, h), MODEL),
@@ -38,70 +37,93 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
         "hc_head.hc_base": TensorSpec((n,), FP32),
         "hc_head.hc_scale": TensorSpec((1,), FP32),
     }
-    mixes = (2 + n) * n
     for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
+        specs.update(block_specs(cfg, f"layers.{i}.", cfg.layer_types[i], cfg.mlp_layer_types[i]))
+    return specs
+
+
+def mtp_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor of the config's MTP (nextn) draft layers, `mtp.{j}.*`: a sliding-window block with top-k MoE,
+    the input projections and norms, its final norm and HyperHead (none when `num_nextn_predict_layers` is 0)."""
+    h, n = cfg.hidden_size, cfg.hc_mult
+    specs: dict[str, TensorSpec] = {}
+    for j in range(cfg.num_nextn_predict_layers):
+        p = f"mtp.{j}."
+        specs.update(block_specs(cfg, p, SLIDING, TOPK_MOE))
+        specs.update({p + "e_proj.weight": TensorSpec((h, h), MODEL), p + "h_proj.weight": TensorSpec((h, h), MODEL)})
+        specs.update({p + name: TensorSpec((h,), FP32) for name in ("enorm.weight", "hnorm.weight", "norm.weight")})
+        specs.update({
+            p + "hc_head.hc_fn": TensorSpec((n, n * h), FP32),
+            p + "hc_head.hc_base": TensorSpec((n,), FP32),
+            p + "hc_head.hc_scale": TensorSpec((1,), FP32),
+        })
+    return specs
+
+
+def block_specs(cfg: ModelConfig, p: str, kind: str, mlp_kind: str) -> dict[str, TensorSpec]:
+    """The tensors of one V4 block under prefix `p` (`layers.{i}.`, `mtp.{j}.`) of attention `kind` and MoE
+    `mlp_kind`."""
+    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    nh, d = cfg.num_attention_heads, cfg.head_dim
+    mixes = (2 + n) * n
+    a = p + "self_attn."
+    specs = {
+        p + "input_layernorm.weight": TensorSpec((h,), FP32),
+        p + "post_attention_layernorm.weight": TensorSpec((h,), FP32),
+        a + "sinks": TensorSpec((nh,), FP32),
+        a + "q_a_proj.weight": TensorSpec((cfg.q_lora_rank, h), MODEL),
+        a + "q_a_norm.weight": TensorSpec((cfg.q_lora_rank,), FP32),
+        a + "q_b_proj.weight": TensorSpec((nh * d, cfg.q_lora_rank), MODEL),
+        a + "kv_proj.weight": TensorSpec((d, h), MODEL),
+        a + "kv_norm.weight": TensorSpec((d,), FP32),
+        a + "o_a_proj.weight": TensorSpec((cfg.o_groups * cfg.o_lora_rank, cfg.group_in_dim), MODEL),
+        a + "o_b_proj.weight": TensorSpec((h, cfg.o_groups * cfg.o_lora_rank), MODEL),
+    }
+    for hc in ("attn_hc", "ffn_hc"):
+        specs[p + hc + ".fn"] = TensorSpec((mixes, n * h), FP32)
+        specs[p + hc + ".base"] = TensorSpec((mixes,), FP32)
+        specs[p + hc + ".scale"] = TensorSpec((3,), FP32)
+    if kind in (CSA, HCA):
+        c = a + "compressor."
+        width = 2 * d if kind == CSA else d
+        rate = cfg.compress_rate_csa if kind == CSA else cfg.compress_rate_hca
         specs.update(
             {
-                p + "input_layernorm.weight": TensorSpec((h,), FP32),
-                p + "post_attention_layernorm.weight": TensorSpec((h,), FP32),
-                a + "sinks": TensorSpec((nh,), FP32),
-                a + "q_a_proj.weight": TensorSpec((cfg.q_lora_rank, h), MODEL),
-                a + "q_a_norm.weight": TensorSpec((cfg.q_lora_rank,), FP32),
-                a + "q_b_proj.weight": TensorSpec((nh * d, cfg.q_lora_rank), MODEL),
-                a + "kv_proj.weight": TensorSpec((d, h), MODEL),
-                a + "kv_norm.weight": TensorSpec((d,), FP32),
-                a + "o_a_proj.weight": TensorSpec((cfg.o_groups * cfg.o_lora_rank, cfg.group_in_dim), MODEL),
-                a + "o_b_proj.weight": TensorSpec((h, cfg.o_groups * cfg.o_lora_rank), MODEL),
+                c + "kv_proj.weight": TensorSpec((width, h), MODEL),
+                c + "gate_proj.weight": TensorSpec((width, h), MODEL),
+                c + "position_bias": TensorSpec((rate, width), FP32),
+                c + "kv_norm.weight": TensorSpec((d,), FP32),
             }
         )
-        for hc in ("attn_hc", "ffn_hc"):
-            specs[p + hc + ".fn"] = TensorSpec((mixes, n * h), FP32)
-            specs[p + hc + ".base"] = TensorSpec((mixes,), FP32)
-            specs[p + hc + ".scale"] = TensorSpec((3,), FP32)
-        kind = cfg.layer_types[i]
-        if kind in (CSA, HCA):
-            c = a + "compressor."
-            width = 2 * d if kind == CSA else d
-            rate = cfg.compress_rate(i)
-            specs.update(
-                {
-                    c + "kv_proj.weight": TensorSpec((width, h), MODEL),
-                    c + "gate_proj.weight": TensorSpec((width, h), MODEL),
-                    c + "position_bias": TensorSpec((rate, width), FP32),
-                    c + "kv_norm.weight": TensorSpec((d,), FP32),
-                }
-            )
-        if kind == CSA:
-            x = a + "compressor.indexer."
-            di = cfg.index_head_dim
-            specs.update(
-                {
-                    x + "kv_proj.weight": TensorSpec((2 * di, h), MODEL),
-                    x + "gate_proj.weight": TensorSpec((2 * di, h), MODEL),
-                    x + "position_bias": TensorSpec((cfg.compress_rate_csa, 2 * di), FP32),
-                    x + "kv_norm.weight": TensorSpec((di,), FP32),
-                    x + "q_b_proj.weight": TensorSpec((cfg.index_n_heads * di, cfg.q_lora_rank), MODEL),
-                    x + "scorer.weights_proj.weight": TensorSpec((cfg.index_n_heads, h), MODEL),
-                }
-            )
-        m = p + "mlp."
-        e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-        specs[m + "gate.weight"] = TensorSpec((e, h), MODEL)
-        if cfg.mlp_layer_types[i] == HASH_MOE:
-            specs[m + "gate.tid2eid"] = TensorSpec((v, cfg.num_experts_per_tok), INT)
-        else:
-            specs[m + "gate.e_score_correction_bias"] = TensorSpec((e,), FP32)
+    if kind == CSA:
+        x = a + "compressor.indexer."
+        di = cfg.index_head_dim
         specs.update(
             {
-                m + "experts.gate_up_proj": TensorSpec((e, 2 * inter, h), MODEL),
-                m + "experts.down_proj": TensorSpec((e, h, inter), MODEL),
-                m + "shared_experts.gate_proj.weight": TensorSpec((inter, h), MODEL),
-                m + "shared_experts.up_proj.weight": TensorSpec((inter, h), MODEL),
-                m + "shared_experts.down_proj.weight": TensorSpec((h, inter), MODEL),
+                x + "kv_proj.weight": TensorSpec((2 * di, h), MODEL),
+                x + "gate_proj.weight": TensorSpec((2 * di, h), MODEL),
+                x + "position_bias": TensorSpec((cfg.compress_rate_csa, 2 * di), FP32),
+                x + "kv_norm.weight": TensorSpec((di,), FP32),
+                x + "q_b_proj.weight": TensorSpec((cfg.index_n_heads * di, cfg.q_lora_rank), MODEL),
+                x + "scorer.weights_proj.weight": TensorSpec((cfg.index_n_heads, h), MODEL),
             }
         )
+    m = p + "mlp."
+    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    specs[m + "gate.weight"] = TensorSpec((e, h), MODEL)
+    if mlp_kind == HASH_MOE:
+        specs[m + "gate.tid2eid"] = TensorSpec((v, cfg.num_experts_per_tok), INT)
+    else:
+        specs[m + "gate.e_score_correction_bias"] = TensorSpec((e,), FP32)
+    specs.update(
+        {
+            m + "experts.gate_up_proj": TensorSpec((e, 2 * inter, h), MODEL),
+            m + "experts.down_proj": TensorSpec((e, h, inter), MODEL),
+            m + "shared_experts.gate_proj.weight": TensorSpec((inter, h), MODEL),
+            m + "shared_experts.up_proj.weight": TensorSpec((inter, h), MODEL),
+            m + "shared_experts.down_proj.weight": TensorSpec((h, inter), MODEL),
+        }
+    )
     return specs
 
 
@@ -167,66 +189,112 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class MTPLayer:
+    """One MTP (nextn) draft layer, `mtp.{j}.*`: a V4 block (sliding-window attention, top-k MoE) fed
+    `e_proj(enorm(embed(next token))) + h_proj(hnorm(streams))` per residual stream, with its own HyperHead and
+    final norm; the embedding and the LM head are the target's."""
+
+    block: Layer
+    e_proj: torch.Tensor  # [H, H]
+    h_proj: torch.Tensor  # [H, H]
+    enorm: torch.Tensor  # [H] fp32
+    hnorm: torch.Tensor  # [H] fp32
+    norm: torch.Tensor  # [H] fp32
+    hc_head: HyperConnection
+
+
+@dataclass(frozen=True)
 class ModelWeights:
     embed: torch.Tensor
     lm_head: torch.Tensor
     norm: torch.Tensor
     hc_head: HyperConnection
     layers: tuple[Layer, ...]
+    mtp: tuple[MTPLayer, ...] = ()  # the checkpoint's MTP draft layers (none when absent or not loaded)
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> ModelWeights:
-        """Validate a canonical-name tensor map against `tensor_specs(cfg)` and pack it."""
+        """Validate a canonical-name tensor map against `tensor_specs(cfg)` and pack it; the MTP layers too when
+        it holds their tensors (all of `mtp_tensor_specs(cfg)`, or none: `mtp` is then empty)."""
         check_tensors(cfg, tensors)
-        t = tensors
-        layers = []
-        for i in range(cfg.num_hidden_layers):
-            p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            compressor = indexer = None
-            if cfg.layer_types[i] in (CSA, HCA):
-                compressor = _compressor(t, a + "compressor.")
-            if cfg.layer_types[i] == CSA:
-                x = a + "compressor.indexer."
-                indexer = Indexer(_compressor(t, x), t[x + "q_b_proj.weight"], t[x + "scorer.weights_proj.weight"])
-            attn = Attention(
-                sinks=t[a + "sinks"],
-                q_a_proj=t[a + "q_a_proj.weight"],
-                q_a_norm=t[a + "q_a_norm.weight"],
-                q_b_proj=t[a + "q_b_proj.weight"],
-                kv_proj=t[a + "kv_proj.weight"],
-                kv_norm=t[a + "kv_norm.weight"],
-                o_a_proj=t[a + "o_a_proj.weight"],
-                o_b_proj=t[a + "o_b_proj.weight"],
-                compressor=compressor,
-                indexer=indexer,
-            )
-            moe = MoE(
-                gate=t[m + "gate.weight"],
-                bias=t.get(m + "gate.e_score_correction_bias"),
-                tid2eid=_int32(t.get(m + "gate.tid2eid")),  # converted once here, not per call
-                gate_up=t[m + "experts.gate_up_proj"],
-                down=t[m + "experts.down_proj"],
-                shared_gate_up=_join_rows(t[m + "shared_experts.gate_proj.weight"], t[m + "shared_experts.up_proj.weight"],
-                                          t["embed_tokens.weight"].dtype),
-                shared_down=t[m + "shared_experts.down_proj.weight"],
-            )
-            layers.append(
-                Layer(
-                    input_norm=t[p + "input_layernorm.weight"],
-                    post_attention_norm=t[p + "post_attention_layernorm.weight"],
-                    attn_hc=_hc(t, p + "attn_hc."),
-                    ffn_hc=_hc(t, p + "ffn_hc."),
-                    attn=attn,
-                    moe=moe,
-                )
-            )
+        t, dtype = tensors, tensors["embed_tokens.weight"].dtype
+        layers = [_layer(t, f"layers.{i}.", cfg.layer_types[i], dtype) for i in range(cfg.num_hidden_layers)]
+        mtp = []
+        if check_mtp(cfg, tensors):
+            for j in range(cfg.num_nextn_predict_layers):
+                p = f"mtp.{j}."
+                mtp.append(MTPLayer(
+                    block=_layer(t, p, SLIDING, dtype),
+                    e_proj=t[p + "e_proj.weight"],
+                    h_proj=t[p + "h_proj.weight"],
+                    enorm=t[p + "enorm.weight"],
+                    hnorm=t[p + "hnorm.weight"],
+                    norm=t[p + "norm.weight"],
+                    hc_head=HyperConnection(t[p + "hc_head.hc_fn"], t[p + "hc_head.hc_base"], t[p + "hc_head.hc_scale"]),
+                ))
         return cls(
             embed=t["embed_tokens.weight"],
             lm_head=t["lm_head.weight"],
             norm=t["norm.weight"],
             hc_head=HyperConnection(t["hc_head.hc_fn"], t["hc_head.hc_base"], t["hc_head.hc_scale"]),
             layers=tuple(layers),
+            mtp=tuple(mtp),
         )
+
+
+def _layer(t: Mapping[str, torch.Tensor], p: str, kind: str, dtype: torch.dtype) -> Layer:
+    """The block under prefix `p` (`layers.{i}.`, `mtp.{j}.`) of attention `kind`; `dtype`: the model's."""
+    a, m = p + "self_attn.", p + "mlp."
+    compressor = indexer = None
+    if kind in (CSA, HCA):
+        compressor = _compressor(t, a + "compressor.")
+    if kind == CSA:
+        x = a + "compressor.indexer."
+        indexer = Indexer(_compressor(t, x), t[x + "q_b_proj.weight"], t[x + "scorer.weights_proj.weight"])
+    attn = Attention(
+        sinks=t[a + "sinks"],
+        q_a_proj=t[a + "q_a_proj.weight"],
+        q_a_norm=t[a + "q_a_norm.weight"],
+        q_b_proj=t[a + "q_b_proj.weight"],
+        kv_proj=t[a + "kv_proj.weight"],
+        kv_norm=t[a + "kv_norm.weight"],
+        o_a_proj=t[a + "o_a_proj.weight"],
+        o_b_proj=t[a + "o_b_proj.weight"],
+        compressor=compressor,
+        indexer=indexer,
+    )
+    moe = MoE(
+        gate=t[m + "gate.weight"],
+        bias=t.get(m + "gate.e_score_correction_bias"),
+        tid2eid=_int32(t.get(m + "gate.tid2eid")),  # converted once here, not per call
+        gate_up=t[m + "experts.gate_up_proj"],
+        down=t[m + "experts.down_proj"],
+        shared_gate_up=_join_rows(t[m + "shared_experts.gate_proj.weight"], t[m + "shared_experts.up_proj.weight"], dtype),
+        shared_down=t[m + "shared_experts.down_proj.weight"],
+    )
+    return Layer(
+        input_norm=t[p + "input_layernorm.weight"],
+        post_attention_norm=t[p + "post_attention_layernorm.weight"],
+        attn_hc=_hc(t, p + "attn_hc."),
+        ffn_hc=_hc(t, p + "ffn_hc."),
+        attn=attn,
+        moe=moe,
+    )
+
+
+def check_mtp(cfg: ModelConfig, tensors, where: str = "") -> bool:
+    """Whether `tensors` (a name -> tensor map, or names alone) holds the config's MTP layers: True when it holds
+    every tensor of `mtp_tensor_specs(cfg)` (of the right shapes, when tensors), False when none; a `WeightsError`
+    naming the missing ones when only some (`where` leads the message)."""
+    specs = mtp_tensor_specs(cfg)
+    if not any(name in tensors for name in specs):
+        return False
+    what = f"the config's {cfg.num_nextn_predict_layers} MTP layer(s) (their tensors come all or none)"
+    check_present(specs, tensors, what, where)
+    if isinstance(tensors, Mapping):
+        for name, spec in specs.items():
+            check_shape(name, tensors[name].shape, spec, what)
+    return True
 
 
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -101,6 +101,8 @@ class PagedCache(SlotBlocks):
             if lay.indexer is not None:
                 layer.indexer = Compressor.allocate(lay.indexer, lay.keys.allocate(device), device)
             self.layers.append(layer)
+        self.draft_layers = [LayerCache(lay, pool := lay.pool.allocate(device), lay.pool.slot_view(pool))
+                             for lay in self.layout.draft]  # MTP layers' window rings (speculative decoding)
         self.window = cfg.sliding_window
         if spec.snapshots:
             self._allocate_snapshots(spec.snapshots)
@@ -151,7 +153,7 @@ class PagedCache(SlotBlocks):
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor holding state (views excluded: the main entries live inside each layer's pool)."""
-        return [t for layer in self.layers for t in layer.tensors()]
+        return [t for layer in self.layers + self.draft_layers for t in layer.tensors()]
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from deepinfer.config import CSA, ModelConfig
+from deepinfer.config import CSA, SLIDING, ModelConfig
 from deepinfer.errors import ConfigError
 
 
@@ -26,6 +26,7 @@ class CacheSpec:
     max_blocks_per_seq: int  # block-table width: the longest sequence is max_blocks_per_seq * block_tokens
     block_tokens: int = 128  # a multiple of every compression rate, so block boundaries close every window
     snapshots: int = 0  # sliding-window snapshots kept for exact prefix caching (runtime/prefix.py)
+    draft_layers: int = 0  # MTP draft layers with a window ring per slot (speculative decoding)
 
     @property
     def max_tokens(self) -> int:
@@ -214,6 +215,7 @@ class CacheLayout:
     spec: CacheSpec
     dtype: torch.dtype
     layers: tuple[LayerLayout, ...]
+    draft: tuple[LayerLayout, ...] = ()  # the MTP draft layers: sliding-window rings only
 
     @classmethod
     def build(cls, cfg: ModelConfig, spec: CacheSpec, dtype: torch.dtype) -> CacheLayout:
@@ -245,7 +247,10 @@ class CacheLayout:
                 indexer = comp(f"layers.{i}.indexer", True, di, 0)
                 keys = Region(f"layers.{i}.indexer.keys", dtype, (di,), 0, per_block, slots, blocks)
             layers.append(LayerLayout(i, kind, w, d, pool, compressor, indexer, keys))
-        return cls(spec, dtype, tuple(layers))
+        draft = tuple(LayerLayout(cfg.num_hidden_layers + j, SLIDING, w, d,
+                                  Region(f"mtp.{j}.pool", dtype, (d,), w, 0, slots, blocks), None, None, None)
+                      for j in range(spec.draft_layers))
+        return cls(spec, dtype, tuple(layers), draft)
 
     @property
     def scratch_slot(self) -> int:
@@ -258,17 +263,17 @@ class CacheLayout:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot (window rings, compressor buffers, overlap state) over every layer."""
-        return sum(layer.slot_bytes for layer in self.layers)
+        return sum(layer.slot_bytes for layer in self.layers + self.draft)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block (compressed entries and indexer keys) over every layer."""
-        return sum(layer.block_bytes for layer in self.layers)
+        return sum(layer.block_bytes for layer in self.layers + self.draft)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole cache, scratch slot and block included (snapshots apart)."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.layers + self.draft)
 
     @property
     def snapshot_bytes(self) -> int:

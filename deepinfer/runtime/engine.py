@@ -17,7 +17,7 @@ back with its tokens, in the same copy."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -28,6 +28,7 @@ from deepinfer.runtime.request import Request, RequestOutput, TokenLogprobs
 from deepinfer.runtime.sampler import Features, History, PenaltyState, SamplerGraphs, pack, select_tokens
 from deepinfer.runtime.scheduler import PrefillStep, Scheduler, SchedulerConfig
 from deepinfer.runtime.staging import DeviceIds, TokenReadback
+from deepinfer.runtime.speculative import SpecStats, Speculator
 from deepinfer.runtime.steps import ModelSteps
 from deepinfer.serving.structured import Grammars, apply_masks
 
@@ -50,6 +51,7 @@ class RunStats:
     first_token_time: float | None = None
     expert_balance: float | None = None  # EPLB: max / mean tokens per rank, mean over the MoE layers
     expert_rebalances: int = 0  # EPLB: placements changed during the run
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding (runtime/speculative.py)
 
 
 @dataclass
@@ -64,9 +66,11 @@ class _Flight:
 
 class Engine:
     def __init__(self, steps: ModelSteps, cache: SlotBlocks, config: SchedulerConfig,
-                 grammars: Grammars | None = None, max_len: int | None = None):
-        """`max_len`: the longest sequence, prompt and output (default: what the model and cache allow)."""
+                 grammars: Grammars | None = None, max_len: int | None = None, speculator: Speculator | None = None):
+        """`max_len`: the longest sequence, prompt and output (default: what the model and cache allow);
+        `speculator`: decode speculatively (draft and verify several tokens per step; runtime/speculative.py)."""
         self.steps, self.cache, self.config, self.grammars = steps, cache, config, grammars
+        self.speculator = speculator
         self.eos = frozenset(steps.eos_token_ids)
         self.max_len = min(steps.max_positions, cache.spec.max_tokens, max_len or cache.spec.max_tokens)
         self.penalties = PenaltyState(cache.spec.max_seqs, steps.vocab_size, steps.device)
@@ -122,7 +126,9 @@ class Engine:
                     if isinstance(step, PrefillStep):
                         self._prefill(step, scheduler, stats, finished)
                         continue
-                    if step.requests:
+                    if step.requests and self.speculator is not None:
+                        self._speculate(list(step.requests), scheduler, stats, finished)
+                    elif step.requests:
                         reqs = list(step.requests)
                         flight = self._launch(reqs, [r.generated[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
                                               stats)
@@ -144,10 +150,11 @@ class Engine:
 
     def _prefill(self, step: PrefillStep, scheduler: Scheduler, stats: RunStats, finished) -> None:
         ids, positions, seqs, logit_rows, sampling = [], [], [], [], []
-        offset = 0
+        offset, starts = 0, []
         prefix = self.cache.prefix is not None
         for r, take in step.chunks:
             start = r.cached
+            starts.append(start)
             if prefix:
                 self.cache.plan_snapshots(r.cache, start, take, r.block_names[1] if r.block_names else ())
                 stats.replayed_tokens += max(0, min(start + take, r.cache.shared_until) - start)
@@ -159,13 +166,23 @@ class Engine:
                 logit_rows.append(offset - 1)
                 sampling.append(r)
         begin = time.perf_counter()
-        logits = self.steps.prefill(ids, positions, seqs, logit_rows)
+        spec = self.speculator
+        if spec is not None:
+            logits, streams = self.steps.prefill(ids, positions, seqs, logit_rows, hidden=True)
+        else:
+            logits = self.steps.prefill(ids, positions, seqs, logit_rows)
         if prefix:
             for r, _ in step.chunks:
                 self.cache.publish(r.cache, r.prompt_ids + r.generated)
+        tokens = []
         if sampling:
             _, readback, asked = self._sample_step(sampling, logits, stats, decode=False)
             tokens = readback.tokens()
+        if spec is not None:  # the draft layer reads the chunks, and drafts for the prompts that completed
+            spec.after_prefill([(r, start, take, offset) for (r, take), (_, offset, _), start
+                                in zip(step.chunks, seqs, starts)], streams,
+                               {r.index: t for r, t in zip(sampling, tokens)})
+        if sampling:
             for r in self._append(sampling, tokens, _logprobs(asked, readback, tokens)):
                 scheduler.finish(r)
                 finished(r)
@@ -173,6 +190,15 @@ class Engine:
         stats.prompt_tokens += len(ids)
         if sampling and stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
+
+    def _speculate(self, reqs: list[Request], scheduler: Scheduler, stats: RunStats, finished) -> None:
+        """A speculative decode step (synchronous): verify each request's drafts, keep what stands, draft again."""
+        done = self.speculator.decode(self, reqs, stats)
+        if self.cache.prefix is not None:
+            self._publish([r for r in reqs if r.finish_reason is None])
+        for r in done:
+            scheduler.finish(r)
+            finished(r)
 
     def _launch(self, reqs: list[Request], ids: list[int] | DeviceIds, positions: list[int], stats: RunStats,
                 meanwhile: Callable[[], None] | None = None) -> _Flight:

@@ -30,6 +30,7 @@ class Request:
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when params.logprobs asks
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first prefill chunk
     block_names: tuple[int, list[bytes]] | None = None  # (prefill length, its blocks' prefix-cache names)
+    drafts: list[int] = field(default_factory=list)  # draft tokens for the positions after the last (speculative)
 
     @property
     def prompt_ids(self) -> list[int]:

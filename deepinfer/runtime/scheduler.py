@@ -100,7 +100,7 @@ class Scheduler:
         for r in list(decoding):
             if r not in self.running:
                 continue  # preempted while making room for an earlier request
-            while not self.cache.grow(r.cache, r.num_tokens):
+            while not self.cache.grow(r.cache, r.num_tokens + len(r.drafts)):  # drafts: verified in the step
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is r:

@@ -64,10 +64,12 @@ class V4Steps:
     def last_logits(self) -> torch.Tensor | None:
         return self.graphs.last_logits
 
-    def prefill(self, ids: list[int], positions: list[int], seqs: Chunks, logit_rows: list[int]) -> torch.Tensor:
+    def prefill(self, ids: list[int], positions: list[int], seqs: Chunks, logit_rows: list[int],
+                hidden: bool = False):
+        """`hidden`: also every row's final residual streams (for the MTP draft layer)."""
         device = self.device
         return self.model.prefill(self.cache, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                  seqs, torch.tensor(logit_rows, dtype=torch.long, device=device))
+                                  seqs, torch.tensor(logit_rows, dtype=torch.long, device=device), hidden=hidden)
 
     def capture_all(self) -> list[torch.Tensor]:
         return self.graphs.capture_all()

@@ -1,8 +1,8 @@
 """Load a DeepSeek-V4 checkpoint directory (one safetensors file, or shards listed by
 `model.safetensors.index.json`) into canonical-name tensors of the requested dtype.
 
-FP8/FP4 tensors are dequantized; per-expert tensors are stacked; `mtp.*` tensors (the MTP draft layers) are
-not loaded but recorded with their locations, for speculative decoding later.
+FP8/FP4 tensors are dequantized (or kept); per-expert tensors are stacked; the MTP draft layers' tensors
+(`mtp.N.*`) are loaded as the target's are, all of them or none (`load_mtp=False`: none, not read).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 
 from deepinfer.config import ModelConfig
 from deepinfer.errors import WeightsError
-from deepinfer.model.weights import FP32, INT, MODEL, TensorSpec, check_present, check_shape, tensor_specs
-from deepinfer.weights.names import Target, classify
+from deepinfer.model.weights import (FP32, INT, MODEL, TensorSpec, check_mtp, check_present, check_shape,
+                                     mtp_tensor_specs, tensor_specs)
+from deepinfer.weights.names import Target, classify, is_mtp
 from deepinfer.weights.quant import FP8_BLOCK, as_quantized, dequantize, for_kernels, is_quantized
 from tilekernels.quant import BlockQuantized, grid
 
@@ -34,9 +35,10 @@ class Checkpoint:
     """The canonical tensors of a model, and what else the checkpoint held."""
 
     tensors: dict[str, torch.Tensor]
-    mtp: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (file, key), not loaded
     ignored: list[str] = field(default_factory=list)
     quantized: int = 0
+    mtp_layers: int = 0  # the MTP draft layers loaded (their tensors are in `tensors`, `mtp.{j}.*`)
+    mtp_skipped: int = 0  # the checkpoint's `mtp.*` tensors not read (`load_mtp=False`)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -122,22 +124,23 @@ _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
 
 
 def weight_bytes(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, keep_quantized: bool,
-                 share: Callable[[str], float] | None = None) -> int:
+                 share: Callable[[str], float] | None = None, load_mtp: bool = True) -> int:
     """The bytes the model's weights will take once loaded (quantized ones in their own precision with
     `keep_quantized`, else at `dtype`), from the checkpoint's headers alone: nothing is read or allocated.
-    `share(name)`: the fraction of each canonical tensor a rank keeps (default all)."""
+    `share(name)`: the fraction of each canonical tensor a rank keeps (default all); `load_mtp`: the MTP draft
+    layers' tensors the checkpoint holds count too."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     header: dict[str, tuple[str, tuple[int, ...]]] = {}
     for path in sorted(set(files.values())):
         header.update(read_header(path))
-    specs, names = tensor_specs(cfg), set(files)
+    specs, names = {**tensor_specs(cfg), **(mtp_tensor_specs(cfg) if load_mtp else {})}, set(files)
     targets = {key: classify(key, names) for key in files}
     scaled = {(t.name, t.expert, t.part) for t in targets.values() if t.scale}
     size = {MODEL: torch.empty((), dtype=dtype).element_size(), FP32: 4, INT: 8}
     total = 0
     for key, t in targets.items():
-        if t.kind == "mtp" or t.name not in specs:
+        if t.name not in specs:
             continue
         kind, (stored, shape) = specs[t.name].kind, header[key]
         numel = math.prod(shape) * (1.0 if share is None else share(t.name))
@@ -162,28 +165,34 @@ def load_checkpoint(
     progress: Callable[[int], object] | None = None,
     keep_quantized: bool = False,
     experts_of: Callable[[str], list[int]] | None = None,
+    load_mtp: bool = True,
 ) -> Checkpoint:
     """Read every tensor `cfg` needs from `model_dir`, cast (fp32 for norms/mHC/sinks/biases); FP8 / FP4 tensors
     are dequantized to `dtype`, or with `keep_quantized` kept in their own precision (`BlockQuantized`).
-    `experts_of(name)`: the routed experts of stacked tensor `name` to read, in that order (one rank's share; the
-    checkpoint must still hold every expert); default all."""
+    `experts_of(name)`: the routed experts of the target's stacked tensor `name` (`layers.N.mlp.experts.*`) to
+    read, in that order (one rank's share; the checkpoint must still hold every expert); default all.
+    `load_mtp`: the MTP draft layers' tensors are read too when the checkpoint holds them (every one of
+    `mtp_tensor_specs(cfg)`, or a `WeightsError` names the missing ones); else they are skipped, not read."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    specs = tensor_specs(cfg)
+    mtp_specs = mtp_tensor_specs(cfg) if load_mtp else {}
+    specs = {**tensor_specs(cfg), **mtp_specs}
     names = set(files)
     plan: dict[str, list[tuple[Target, str]]] = {}
     ckpt = Checkpoint(tensors={})
     for key in files:
         target = classify(key, names)
-        if target.kind == "mtp":
-            ckpt.mtp[key] = (str(files[key]), key)
-        elif target.name in specs:
+        if target.name in specs:
             plan.setdefault(target.name, []).append((target, key))
+        elif not load_mtp and is_mtp(key):
+            ckpt.mtp_skipped += 1
         else:
             ckpt.ignored.append(key)
     if cfg.raw.get("tie_word_embeddings") and "lm_head.weight" not in plan and "embed_tokens.weight" in plan:
         plan["lm_head.weight"] = plan["embed_tokens.weight"]
-    check_present(specs, plan, where=f"{model_dir}: ")
+    check_present(tensor_specs(cfg), plan, where=f"{model_dir}: ")
+    if check_mtp(cfg, plan.keys(), where=f"{model_dir}: "):
+        ckpt.mtp_layers = cfg.num_nextn_predict_layers
 
     block = tuple((cfg.raw.get("quantization_config") or {}).get("weight_block_size") or FP8_BLOCK)
     read = ShardReader(files)
@@ -191,7 +200,8 @@ def load_checkpoint(
     for name, sources in plan.items():
         spec = specs[name]
         target_dtype = torch.float32 if spec.kind == FP32 else torch.int64 if spec.kind == INT else dtype
-        chosen = None if experts_of is None or ".mlp.experts." not in name else list(experts_of(name))
+        chosen = (None if experts_of is None or ".mlp.experts." not in name or not name.startswith("layers.")
+                  else list(experts_of(name)))
         if sources[0][0].kind == "expert":
             tensor = _stack_experts(name, spec, sources, read, target_dtype, block, ckpt, keep_quantized,
                                     list(range(spec.shape[0])) if chosen is None else chosen)
@@ -207,6 +217,8 @@ def load_checkpoint(
     read.close()
     if ckpt.ignored:
         log.warning("ignored %d checkpoint tensor(s) the model does not use, e.g. %s", len(ckpt.ignored), ckpt.ignored[0])
+    if ckpt.mtp_skipped:
+        log.info("skipped %d mtp.* checkpoint tensor(s) (the MTP draft layers; load_mtp=False)", ckpt.mtp_skipped)
     return ckpt
 
 

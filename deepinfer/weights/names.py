@@ -3,7 +3,8 @@
 Accepted spellings: HF's in-memory names (`model.layers.3.self_attn.q_a_proj.weight`), the names
 `save_pretrained` writes (`model.layers.3.attn.wq_a.weight`, `head.weight`, per-expert `ffn.experts.5.w1`),
 and DeepSeek's upstream names (`layers.3.attn.wq_a.weight`, `embed.weight`). Quantization scales are
-`<weight>_scale_inv` / `<module>.weight_scale_inv` (HF) or `<module>.scale` (upstream).
+`<weight>_scale_inv` / `<module>.weight_scale_inv` (HF) or `<module>.scale` (upstream). The MTP draft layers
+(`mtp.N.*`) are spelled either way, their blocks as target layers' are.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ _RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
     )
 )
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(.*)$")
+# The MTP layers' own tensors, kept as they are (`norm` is no compressor's norm, `enorm`/`hnorm` no renamed ones)
+_MTP_OWN = re.compile(r"^((e_proj|h_proj|enorm|hnorm|norm)\.weight|hc_head\.hc_(fn|base|scale))$")
 _EXPERT_PART = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -51,8 +55,7 @@ _EXPERT_PART = {"w1": "gate", "w3": "up", "w2": "down"}
 class Target:
     """Where a checkpoint tensor goes.
 
-    kind: "tensor" (the whole canonical tensor), "expert" (one expert's slice of a stacked expert tensor),
-    "mtp" (an MTP/nextn draft tensor, kept aside), "unknown".
+    kind: "tensor" (the whole canonical tensor), "expert" (one expert's slice of a stacked expert tensor).
     `scale` is True when the tensor is the quantization scale of that target rather than its values.
     """
 
@@ -63,11 +66,24 @@ class Target:
     part: str = ""  # gate | up | down for expert slices
 
 
+def is_mtp(name: str) -> bool:
+    """Whether checkpoint tensor `name` belongs to an MTP (nextn) draft layer, `[model.]mtp.N.*`."""
+    return name.removeprefix("model.").startswith("mtp.")
+
+
 def canonical(name: str) -> str:
-    """Canonical spelling of a (non-scale) tensor name."""
+    """Canonical spelling of a (non-scale) tensor name. An MTP layer's block tensors (`mtp.N.attn.wq_a.weight`,
+    `mtp.N.self_attn.q_a_proj.weight`, ...) are spelled as a target layer's with `layers.N.` for `mtp.N.`; its
+    own ones as `mtp.N.e_proj.weight`, `mtp.N.norm.weight`, `mtp.N.hc_head.hc_fn` (upstream `mtp.N.hc_head_fn`)."""
     key = name[len("model.") :] if name.startswith("model.") else name
     if key == "norm.weight" or key.startswith("hc_head."):
         return key
+    m = _MTP.match(key)
+    if m:
+        layer, rest = m.group(1), re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", m.group(2))
+        if _MTP_OWN.match(rest):
+            return f"mtp.{layer}.{rest}"
+        return f"mtp.{layer}." + canonical(f"layers.{layer}.{rest}")[len(f"layers.{layer}.") :]
     for pattern, repl in _RENAMES:
         key = pattern.sub(repl, key)
     return key
@@ -76,9 +92,6 @@ def canonical(name: str) -> str:
 def classify(name: str, all_names: set[str]) -> Target:
     """Map one checkpoint name; `all_names` (every name in the checkpoint) tells a `.scale` of a quantized
     module from the `scale` parameter of an mHC block."""
-    bare = name[len("model.") :] if name.startswith("model.") else name
-    if bare.startswith("mtp."):
-        return Target("mtp", name)
     scale = False
     if name.endswith(".weight_scale_inv"):
         name, scale = name[: -len("_scale_inv")], True

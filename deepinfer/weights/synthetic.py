@@ -7,7 +7,8 @@ Two spellings: "hf" (HF in-memory names, `model.layers.N.self_attn.q_a_proj.weig
 `..._scale_inv`, stacked experts `mlp.experts.gate_up_proj` / `down_proj`) and "upstream" (DeepSeek's own,
 `layers.N.attn.wq_a.weight` with `.scale`, per-expert `ffn.experts.E.w1/w2/w3.weight`; the tensors that are not
 quantized keep HF in-memory names, which the loader also reads). Used for CI (tiny models written to disk)
-and for benchmarks (the V4-Flash slice).
+and for benchmarks (the V4-Flash slice). The MTP draft layers' tensors (`mtp.N.*`, when the map holds them) are
+written alike: their blocks as the target layers', `e_proj` / `h_proj` in FP8 too.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def quantized_tensors(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], spe
         e = EXPERTS.match(name)
         if m:
             layer = name.split(".mlp.")[0].split(".self_attn.")[0]
-            put(name, quantize(tensor, "fp8", block), f"{layer}.{_UPSTREAM[m.group(1) or m.group(2)]}")
+            upstream = name.removesuffix(".weight") if m.group(3) else f"{layer}.{_UPSTREAM[m.group(1) or m.group(2)]}"
+            put(name, quantize(tensor, "fp8", block), upstream)
         elif e and spelling == "hf":
             put(name, quantize(tensor, "fp4"), "")
         elif e:  # upstream: one tensor per expert and part (gate w1 over up w3, down w2)

@@ -149,14 +149,18 @@ def test_fp8_dense_and_fp4_expert_checkpoint(saved, tmp_path):
         assert torch.equal(ckpt.tensors[k], reference[k]), k
 
 
-def test_mtp_tensors_are_recorded_not_loaded(saved, tmp_path):
+def test_mtp_tensors_of_a_config_without_mtp_layers_are_ignored(saved, tmp_path):
+    """(tests/weights/test_mtp_loading.py loads the MTP layers of configs that have them.)"""
     path, _ = saved
-    copy_config(path, tmp_path)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["num_nextn_predict_layers"] == 1  # HF's default, saved with a model that has no mtp.* tensors
+    assert load_checkpoint(path, ModelConfig.from_dict(raw), torch.float32).mtp_layers == 0
+    write_json(tmp_path / "config.json", dict(raw, num_nextn_predict_layers=0))
     tensors = load_file(str(path / "model.safetensors"))
     tensors["mtp.0.e_proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     ckpt = load_checkpoint(tmp_path, ModelConfig.from_model_dir(tmp_path), torch.float32)
-    assert list(ckpt.mtp) == ["mtp.0.e_proj.weight"]
+    assert ckpt.ignored == ["mtp.0.e_proj.weight"] and ckpt.mtp_layers == 0
     assert not any(k.startswith("mtp") for k in ckpt.tensors)
 
 

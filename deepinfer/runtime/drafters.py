@@ -1,0 +1,134 @@
+"""Where speculative decoding's draft tokens come from (`runtime/speculative.py` verifies them).
+
+A drafts source sets `Request.drafts` (the tokens it proposes for the positions after the request's last token)
+after each step that leaves a request with a new last token:
+- `after_prefill(chunks, streams, sampled, k)`: a prefill step ran `chunks` (request, first position, rows,
+  first row of the step); `streams` are its rows' final residual streams; `sampled` maps each request whose
+  prompt completed to its new token (not appended yet). Requests whose prefill completed get drafts.
+- `after_verify(live, streams, k)`: a verify step kept `n` rows from position `base` for each (request, base, n,
+  first row) of `live` (their tokens are appended); `streams` are the step's rows' final residual streams.
+
+`MTPDrafts`: the model's MTP layer (`model/mtp.py`). `OracleDrafts`: a benchmark and test source that proposes a
+known continuation of each request (the target's own greedy tokens) with each draft kept with probability p
+and replaced by a wrong token otherwise, so that acceptance is set from outside (random weights accept nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.model.mtp import MTPDrafter, draft_share, rollback_chain, tentative
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.sampler import Features, pack, select_tokens
+from deepinfer.runtime.sampling import draw_seed, uniform
+
+
+class MTPDrafts:
+    """Drafts with the MTP layer: it reads every row the target keeps, then runs on its own output k - 1 times."""
+
+    def __init__(self, model, cache):
+        self.cache, self.drafter = cache, MTPDrafter(model)
+
+    def after_prefill(self, chunks, streams: torch.Tensor, sampled: dict[int, int], k: int) -> None:
+        rows, next_ids, positions, seqs, last = [], [], [], [], []
+        for r, start, take, offset in chunks:
+            share = r.cache.draft
+            if share is None or share.num_tokens != start:
+                share = draft_share(r.cache, start)
+            nxt = r.prefill_ids[start + 1 : start + take + 1]
+            if len(nxt) < take:  # the chunk ends the prefill: its last row's next token is the newest one
+                nxt.append(sampled.get(r.index, r.generated[-1] if r.generated else 0))
+            seqs.append((share, len(rows), take))
+            rows.extend(range(offset, offset + take))
+            next_ids.extend(nxt)
+            positions.extend(range(start, start + take))
+            if start + take == r.num_prefill:  # the prefill is in: draft from its last row
+                last.append((r, len(rows) - 1))
+        self._read(rows, next_ids, positions, seqs, last, streams, k)
+
+    def after_verify(self, live, streams: torch.Tensor, k: int) -> None:
+        rows, next_ids, positions, seqs, last = [], [], [], [], []
+        for r, base, n, start in live:
+            share = r.cache.draft
+            if share is None or share.num_tokens != base:
+                share = draft_share(r.cache, base)
+            seqs.append((share, len(rows), n))
+            rows.extend(range(start, start + n))
+            next_ids.extend(r.generated[-n:])  # the tokens after the kept rows: what the step appended
+            positions.extend(range(base, base + n))
+            last.append((r, len(rows) - 1))
+        self._read(rows, next_ids, positions, seqs, last, streams, k)
+
+    def _read(self, rows, next_ids, positions, seqs, last, streams: torch.Tensor, k: int) -> None:
+        """Run the layer over the rows (kept), then draft for the requests of `last` from their last row."""
+        if not rows:
+            return
+        device = streams.device
+        logit_rows = torch.tensor([i for _, i in last], dtype=torch.long, device=device)
+        logits, out = self.drafter.forward(self.cache, streams[torch.tensor(rows, device=device)],
+                                           torch.tensor(next_ids, device=device),
+                                           torch.tensor(positions, device=device), seqs, logit_rows)
+        if last:
+            self._chain([r for r, _ in last], logits, out[logit_rows], [positions[i] + 2 for _, i in last], k)
+
+    def _chain(self, reqs: list[Request], logits: torch.Tensor, streams: torch.Tensor, first: list[int],
+               k: int) -> None:
+        """k drafts per request from the layer's logits for position `first` [R] and its output streams there,
+        running the layer on its own output (tentatively: rolled back after) for the later ones."""
+        device = streams.device
+        drafts: list[list[int]] = [[] for _ in reqs]
+        shares = [r.cache.draft for r in reqs]
+        ends = [s.num_tokens for s in shares]
+        for step in range(k):
+            tokens = draws(reqs, logits, [p + step for p in first])
+            for d, t in zip(drafts, tokens.tolist()):
+                d.append(t)
+            if step == k - 1:
+                break
+            tentative(shares)
+            positions = torch.tensor([p + step - 1 for p in first], device=device)
+            logits, streams = self.drafter.forward(self.cache, streams, tokens, positions,
+                                                   [(s, i, 1) for i, s in enumerate(shares)], None)
+        rollback_chain(shares, ends)
+        for r, d in zip(reqs, drafts):
+            r.drafts = d
+
+
+def draws(reqs: list[Request], logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """A draft token per request at `positions` from draft logits [R, V]: as the target will draw there (argmax
+    for greedy rows; the same (seed, position) uniform for sampled ones), without the penalties."""
+    params = [r.params for r in reqs]
+    features = Features.of(params)
+    if not (features.sampled or features.bias):
+        return logits.argmax(dim=-1)
+    features = Features(bias=features.bias, penalties=False, sampled=features.sampled, filtered=features.filtered)
+    return select_tokens(logits, pack(params, [r.seed for r in reqs], positions, logits.shape[-1], logits.device),
+                         None, features)
+
+
+class OracleDrafts:
+    """Proposes `continuations[request index]` (the tokens after its prompt), each draft kept with probability
+    `accept` and otherwise replaced by another token (which the target rejects), keyed by (seed, position)."""
+
+    def __init__(self, continuations: dict[int, list[int]], accept: float, vocab: int, seed: int = 0):
+        self.continuations, self.accept, self.vocab, self.seed = continuations, accept, vocab, seed
+
+    def after_prefill(self, chunks, streams, sampled: dict[int, int], k: int) -> None:
+        for r, start, take, _ in chunks:
+            if start + take == r.num_prefill:
+                self._propose(r, start + take + 1, k)
+
+    def after_verify(self, live, streams, k: int) -> None:
+        for r, base, n, _ in live:
+            self._propose(r, base + n + 1, k)
+
+    def _propose(self, r: Request, first: int, k: int) -> None:
+        known = self.continuations.get(r.index, [])
+        drafts = []
+        for pos in range(first, first + k):
+            i = pos - len(r.prompt_ids)
+            token = known[i] if 0 <= i < len(known) else 0
+            if uniform(draw_seed(self.seed * 1_000_003 + r.index, pos)) >= self.accept:
+                token = (token + 1) % self.vocab  # a wrong guess
+            drafts.append(token)
+        r.drafts = drafts

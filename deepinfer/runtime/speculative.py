@@ -1,0 +1,174 @@
+"""Speculative decoding with DeepSeek-V4's MTP layer: draft k tokens, verify them in one target step.
+
+A speculative decode step feeds each running request its last token and its draft tokens as one prefill-like
+chunk (`DeepseekV4.prefill(tentative=True)`), so every row gets the target's logits. Row j's token is drawn
+exactly as plain decoding draws the token at that position (`runtime/sampler.py`: the same masks, bias,
+penalties over the tokens before it, and the uniform keyed by (seed, position)); the draft token at that
+position is accepted when it equals it, and the first row whose token differs (or the last row: the bonus)
+ends the request's step. So the output is token for token the output of plain decoding, greedy or seeded, for
+any draft length and any batch (docs/speculative.md explains why this "match" verification is used instead of
+the min(1, p/q) rejection rule, whose seeded outputs depend on the draft lengths). The cache then keeps the
+positions whose tokens stayed (`model.rollback.commit`).
+
+Drafting: the MTP layer catches up on the rows the target kept (their final streams and the token after each),
+then drafts the next k tokens by running on its own output (`model.mtp`). A draft token is chosen from the
+layer's logits as the target's token will be (argmax for greedy rows; the same keyed uniform for sampled rows,
+so draft and target draws are coupled and agree whenever the two distributions are close).
+
+Steps run synchronously (no decode step is launched ahead of the host) and eagerly (no decode graph).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.model.rollback import commit
+from deepinfer.runtime.logprobs import StepLogprobs
+from deepinfer.runtime.request import Request
+from deepinfer.runtime.sampler import Features, History, Seen, pack, select_tokens
+from deepinfer.serving.structured import apply_masks
+
+if TYPE_CHECKING:
+    from deepinfer.runtime.engine import Engine, RunStats
+
+
+@dataclass
+class SpecStats:
+    """What the speculative steps did: draft tokens verified and accepted, per draft position."""
+
+    steps: int = 0
+    verify_tokens: int = 0  # rows of the verify steps (each request's last token and its drafts)
+    drafted: list[int] = field(default_factory=list)  # [i]: drafts verified at draft position i (0-based)
+    accepted: list[int] = field(default_factory=list)  # [i]: of those, accepted
+
+    def count(self, verified: int, accepted: int) -> None:
+        while len(self.drafted) < verified:
+            self.drafted.append(0)
+            self.accepted.append(0)
+        for i in range(verified):
+            self.drafted[i] += 1
+            self.accepted[i] += i < accepted
+
+    @property
+    def acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens each request gained per verify step (accepted drafts + the target's own token)."""
+        rows = self.verify_tokens - sum(self.drafted)  # one per request per step
+        return (sum(self.accepted) + rows) / rows if rows else 0.0
+
+
+class Speculator:
+    """Verifies the drafts of a `drafts` source (`runtime/drafters.py`) with the target, for an `Engine` over
+    `V4Steps`: `tokens` drafts per request and step at most."""
+
+    def __init__(self, steps, tokens: int, drafts):
+        self.model, self.cache, self.k, self.drafts = steps.model, steps.cache, tokens, drafts
+
+    def after_prefill(self, chunks: list[tuple[Request, int, int, int]], streams: torch.Tensor,
+                      sampled: dict[int, int]) -> None:
+        """`chunks`: (request, first position, rows, first row) of a prefill step; `sampled`: each request whose
+        prompt completed -> its new token (not appended yet). The drafts source reads the step."""
+        self.drafts.after_prefill(chunks, streams, sampled, self.k)
+
+    # ---- a speculative decode step -----------------------------------------------------------------------
+    def decode(self, engine: Engine, reqs: list[Request], stats: RunStats) -> list[Request]:
+        """Verify every request's drafts, append the tokens that stand, keep their cache rows, draft again.
+        Returns the requests that finished."""
+        spec, device = stats.spec, self.model.device
+        ids, positions, chunks, bases = [], [], [], []
+        for r in reqs:
+            base = r.num_tokens - 1
+            drafts = r.drafts[: self._room(engine, r)]
+            r.drafts = drafts
+            chunks.append((r.cache, len(ids), 1 + len(drafts)))
+            ids += [r.generated[-1], *drafts]
+            positions += range(base, base + 1 + len(drafts))
+            bases.append(base)
+        logits, streams = self.model.prefill(self.cache, torch.tensor(ids, device=device),
+                                             torch.tensor(positions, device=device), chunks, None, hidden=True,
+                                             tentative=True)
+        spec.steps += 1
+        spec.verify_tokens += len(ids)
+        stats.decode_steps += 1
+        kept, done = self._accept(engine, reqs, chunks, logits, stats)
+        for r, base, n in zip(reqs, bases, kept):
+            commit(r.cache, base + n)
+            spec.count(len(r.drafts), n - 1)
+        stats.decode_tokens += sum(kept)
+        ended = {id(r) for r in done}
+        live = [(r, base, n, start) for r, base, n, (_, start, _) in zip(reqs, bases, kept, chunks)
+                if id(r) not in ended]
+        if live:
+            self.drafts.after_verify(live, streams, self.k)
+        return done
+
+    def _room(self, engine: Engine, r: Request) -> int:
+        """Drafts worth verifying: no position past the length limits."""
+        left = min(r.params.max_new_tokens - len(r.generated), engine.max_len - r.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    def _accept(self, engine: Engine, reqs: list[Request], chunks, logits: torch.Tensor, stats: RunStats):
+        """Each request's tokens row by row until one differs from its draft (or the request finishes): how many
+        each appended, and the requests that finished."""
+        params = [r.params for r, (_, _, n) in zip(reqs, chunks) for _ in range(n)]
+        asked = StepLogprobs.of(logits, params)
+        free = [i for i, r in enumerate(reqs) if r.constraint is None]
+        tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        if free:
+            rows = [chunks[i][1] + j for i in free for j in range(chunks[i][2])]
+            index = torch.tensor(rows, device=logits.device)
+            tokens[index] = self._tokens(logits.index_select(0, index), [(reqs[i], j) for i in free
+                                                                          for j in range(chunks[i][2])])
+        host = tokens.tolist()
+        packed = asked.pack(tokens).tolist() if asked is not None else None
+        kept, done = [], []
+        for r, (_, start, n) in zip(reqs, chunks):
+            for j in range(n):
+                row = start + j
+                if r.constraint is not None:
+                    begin = time.perf_counter()
+                    apply_masks(logits[row : row + 1], [r.constraint], engine.grammars)
+                    stats.mask_seconds += time.perf_counter() - begin
+                    host[row] = int(self._tokens(logits[row : row + 1], [(r, 0)])[0])
+                    tokens[row] = host[row]
+                    if asked is not None:
+                        packed = asked.pack(tokens).tolist()
+                lp = asked.unpack(packed, host, len(host))[row] if asked is not None else None
+                finished = engine._append([r], [host[row]], [lp])
+                if finished or j == n - 1 or host[row] != r.drafts[j]:
+                    kept.append(j + 1)
+                    done += finished
+                    break
+        return kept, done
+
+    def _tokens(self, logits: torch.Tensor, rows: list[tuple[Request, int]]) -> torch.Tensor:
+        """The target's token for each (request, draft index) row, drawn as plain decoding draws it at that
+        position (the penalties count the drafts before the row as generated)."""
+        params = [r.params for r, _ in rows]
+        features = Features.of(params)
+        if not (features.sampled or features.bias or features.penalties):
+            return logits.argmax(dim=-1)
+        seen = None
+        if features.penalties:
+            seen = Seen.of([History(r.prompt_ids, r.generated + r.drafts[:j]) for r, j in rows], logits.shape[-1],
+                           logits.device)
+        packed = pack(params, [r.seed for r, _ in rows], [r.num_tokens + j for r, j in rows], logits.shape[-1],
+                      logits.device)
+        return select_tokens(logits, packed, seen, features)
+
+
+
+def speculator(steps, tokens: int) -> Speculator | None:
+    """The engine's speculator: `tokens` MTP drafts per request and step (None: plain decoding)."""
+    if not tokens:
+        return None
+    from deepinfer.runtime.drafters import MTPDrafts
+
+    return Speculator(steps, tokens, MTPDrafts(steps.model, steps.cache))
