@@ -23,7 +23,8 @@ from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
-from deepinfer.options import check_options, draft_tokens, model_len, resolve_dtype, speculative_request
+from deepinfer.options import (DEFAULT_DRAFT_TOKENS, check_options, draft_tokens, model_len, resolve_dtype,
+                               speculative_request)
 from deepinfer.prompt_items import Prepared, PromptInput, conversations, expand_params, prepare, prompt_list
 
 log = logging.getLogger("deepinfer")
@@ -129,7 +130,8 @@ class LLM:
                                      prefix=self.prefix_cache.mode)  # None: 5 where the model has an MTP layer
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
-                             prefix_cache=self.prefix_cache, draft_layers=int(drafts != 0 and not v41))
+                             prefix_cache=self.prefix_cache, draft_layers=int(drafts != 0 and not v41),
+                             lookahead=0 if v41 else DEFAULT_DRAFT_TOKENS if drafts is None else drafts)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:

@@ -43,6 +43,7 @@ class EngineOptions:
     batch_invariant: bool = False  # the backend's op table is the batch-invariant one (its plan compiled so)
     prefix_cache: PrefixMode = PrefixMode("off")  # DeepSeek-V4's prefix cache (runtime/prefix.py)
     draft_layers: int = 0  # MTP layers to load and give a window ring per slot (speculative decoding)
+    lookahead: int = 0  # draft tokens a verify step may write and not keep (CacheSpec.lookahead)
 
     @property
     def snapshots(self) -> int:
@@ -67,7 +68,8 @@ def _fit(cfg: Any, dtype: torch.dtype, backend: Backend, opts: EngineOptions, we
     cache_need, cache_desc = 0, ""
     if opts.num_blocks is not None or memory is None:  # an explicit size, or every slot at full length
         probe = cache_spec(cfg, None, dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
-                           opts.gpu_memory_utilization, snapshots=opts.snapshots, draft_layers=opts.draft_layers)
+                           opts.gpu_memory_utilization, snapshots=opts.snapshots, draft_layers=opts.draft_layers,
+                           lookahead=opts.lookahead)
         cache_need = cache_bytes(probe)
         cache_desc = (f" (num_blocks={probe.num_blocks} blocks of {probe.block_tokens} positions, "
                       f"max_num_seqs={probe.max_seqs} slots)")
@@ -148,9 +150,10 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     del tensors, weights
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
     ready_kernels(backend, cfg, dtype, env, opts, clock)
+    ahead = opts.lookahead if model.weights.mtp else 0  # speculative decoding: draft rows a verify step may drop
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
                                        opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots,
-                                       draft_layers=min(opts.draft_layers, len(model.weights.mtp))),
+                                       draft_layers=min(opts.draft_layers, len(model.weights.mtp)), lookahead=ahead),
                        dtype, device)
     cache.enable_prefix(opts.prefix_cache, cache.salt())
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
@@ -160,7 +163,8 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
               + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB{snapshots}")
     # several ranks decode eagerly on the device until the NCCL capture has run on two GPUs (docs/parallel.md)
-    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs, backend.capture if comm is None else None))
+    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs * (1 + ahead),
+                                               backend.capture if comm is None else None, hidden=ahead > 0))
     if comm is not None and comm.lockstep:
         from deepinfer.parallel.lockstep import LockstepSteps
 

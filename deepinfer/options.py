@@ -33,19 +33,19 @@ DEFAULT_MAX_MODEL_LEN = 8192
 def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
                num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128,
                unit: Callable[[CacheSpec], tuple[int, int]] | None = None, snapshots: int = 0,
-               draft_layers: int = 0) -> CacheSpec:
+               draft_layers: int = 0, lookahead: int = 0) -> CacheSpec:
     """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
     `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
     enough for every slot at full length. `unit(spec)` -> (bytes per block, bytes per slot) of the model's
     cache (default: V4's `CacheLayout`). `snapshots`: sliding-window snapshots to keep (exact prefix caching;
     V4's layout only), taken out of the memory budget first; `draft_layers`: MTP layers' window rings per slot
-    (speculative decoding; V4's layout only)."""
+    (speculative decoding; V4's layout only); `lookahead`: ring rows for verify rows a sequence may not keep."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
         num_blocks = max_seqs * per_seq
         if memory is not None:
-            probe = CacheSpec(0, max_seqs, per_seq, block_tokens, draft_layers=draft_layers)
+            probe = CacheSpec(0, max_seqs, per_seq, block_tokens, draft_layers=draft_layers, lookahead=lookahead)
             if unit is None:
                 layout = CacheLayout.build(cfg, probe, dtype)
                 per_block, per_slot = layout.block_bytes, layout.slot_bytes
@@ -63,7 +63,7 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
     return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens,
-                     snapshots=snapshots, draft_layers=draft_layers)
+                     snapshots=snapshots, draft_layers=draft_layers, lookahead=lookahead)
 
 
 def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:

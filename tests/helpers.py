@@ -103,13 +103,13 @@ def save_model_dir(path: Path, raw: dict[str, Any], tensors: dict[str, torch.Ten
 class Runner:
     """A model with a small paged cache, for driving prefill and decode steps by hand in tests."""
 
-    def __init__(self, cfg, weights, ops, tokens: int = 2048, seqs: int = 4):
+    def __init__(self, cfg, weights, ops, tokens: int = 2048, seqs: int = 4, lookahead: int = 0):
         from deepinfer.runtime.cache import CacheSpec, PagedCache
         from deepinfer.model.model import DeepseekV4
 
         per_seq = -(-tokens // 128)
         self.model = DeepseekV4(cfg, weights, ops)
-        spec = CacheSpec(num_blocks=seqs * per_seq, max_seqs=seqs, max_blocks_per_seq=per_seq)
+        spec = CacheSpec(num_blocks=seqs * per_seq, max_seqs=seqs, max_blocks_per_seq=per_seq, lookahead=lookahead)
         self.cache = PagedCache(cfg, spec, weights.embed.dtype, weights.embed.device)
 
     def new_seq(self):

@@ -15,7 +15,8 @@ SPECS = [CacheSpec(num_blocks=7, max_seqs=3, max_blocks_per_seq=4),
 
 
 def old_block_bytes(cfg: ModelConfig, block_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
-    """The separate size computation the layout replaced (kept here as a cross-check)."""
+    """A separate size computation (a cross-check of the layout's): per slot, the window ring and each compressor's
+    kv and gate buffer rings (the open window, and for CSA and its indexer the last closed window too)."""
     elt = torch.tensor([], dtype=dtype).element_size()
     d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
     per_block = per_slot = 0
@@ -25,10 +26,10 @@ def old_block_bytes(cfg: ModelConfig, block_tokens: int, dtype: torch.dtype) -> 
         if rate:
             width = 2 * d if kind == CSA else d
             per_block += block_tokens // rate * d * elt
-            per_slot += 2 * rate * width * elt + (rate * d * (elt + 4) if kind == CSA else 0)
+            per_slot += 2 * (2 if kind == CSA else 1) * rate * width * elt
         if kind == CSA:
             per_block += block_tokens // rate * di * elt
-            per_slot += 2 * rate * 2 * di * elt + rate * di * (elt + 4)
+            per_slot += 2 * 2 * rate * 2 * di * elt
     return per_block, per_slot
 
 
@@ -97,7 +98,7 @@ def test_row_methods_give_the_old_rows(name):
             assert torch.equal(cl.close_rows(blocks, pos), old_close)
             assert torch.equal(cl.closed(pos), (pos + 1) // comp.rate)
             s, w = cl.buffer_index(slots, pos)
-            assert torch.equal(w, pos % comp.rate) and s is slots
+            assert torch.equal(w, pos % cl.buffer_rows) and s is slots and cl.buffer_rows == (2 if cl.overlap else 1) * cl.rate
             # entry rows hit the places the old per-block entries view [blocks + 1, per_block, d] indexed
             probe = comp.store.clone()
             probe[cl.entry_rows(blocks, entry)] = 1.0

@@ -269,7 +269,7 @@ def wiring(monkeypatch):
         seen["invariant"] = invariant
         return select(name, cache_dir, env)
 
-    def assembled(cfg, model_dir, backend, dtype, env, opts, *rest):
+    def assembled(cfg, model_dir, backend, dtype, env, opts, *rest, **kw):
         seen["opts"] = opts
         raise _Stop("stopped after the options")
 

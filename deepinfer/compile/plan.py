@@ -53,21 +53,26 @@ def torch_dtype(dtype: str) -> torch.dtype:
 def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context: int = 1024,
           quantized: bool | None = None) -> None:
     """Run, on meta tensors, a prefill of n tokens and a decode step of n sequences (each `context` positions
-    deep) for every n in `rows`, launching kernels through `launcher`."""
+    deep) for every n in `rows`, launching kernels through `launcher`; with MTP layers in the config, the first
+    one's pass over the n prefilled rows too (speculative decoding's drafter)."""
     from deepinfer.model.decode import DecodeInputs
     from deepinfer.model.model import DeepseekV4
+    from deepinfer.model.mtp import MTPDrafter, draft_share
     from deepinfer.runtime.cache import CacheSpec, PagedCache
     from tilekernels.kernels import table
 
     model = DeepseekV4(cfg, meta_weights(cfg, torch_dtype(dtype), quantized), table(launcher))
+    drafter = MTPDrafter(model) if model.weights.mtp else None
     for n in rows:
         per_seq = -(-max(n, context + 1) // 128)
-        cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq),
-                           DTYPES[dtype], META)
+        cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq,
+                                          draft_layers=int(drafter is not None)), DTYPES[dtype], META)
         seq = cache.admit()
         cache.grow(seq, n)
-        model.prefill(cache, torch.zeros(n, dtype=torch.long, device=META), torch.zeros(n, dtype=torch.long, device=META),
-                      [(seq, 0, n)])
+        ids = torch.zeros(n, dtype=torch.long, device=META)
+        _, streams = model.prefill(cache, ids, ids, [(seq, 0, n)], hidden=True)
+        if drafter is not None:
+            drafter.forward(cache, streams, ids, ids, [(draft_share(seq, 0), 0, n)], ids)
         step = DecodeInputs(
             ids=torch.zeros(n, dtype=torch.long, device=META),
             positions=torch.zeros(n, dtype=torch.long, device=META),
@@ -80,7 +85,7 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
 def meta_weights(cfg: ModelConfig, dtype: torch.dtype, quantized: bool | None = None):
     """The model's weights as meta tensors of their real shapes and dtypes; with `quantized` (None: when the
     config declares a `quantization_config`) the checkpoint's FP8/FP4 tensors as block-quantized meta weights."""
-    from deepinfer.model.weights import FP32, INT, ModelWeights, tensor_specs
+    from deepinfer.model.weights import FP32, INT, ModelWeights, mtp_tensor_specs, tensor_specs
     from deepinfer.weights.quant import checkpoint_format
 
     qc = cfg.raw.get("quantization_config")
@@ -89,7 +94,7 @@ def meta_weights(cfg: ModelConfig, dtype: torch.dtype, quantized: bool | None = 
     kinds = {FP32: torch.float32, INT: torch.long}
     return ModelWeights.from_tensors(cfg, {name: meta_weight(spec.shape, checkpoint_format(name, qc),
                                                              kinds.get(spec.kind, dtype))
-                                          for name, spec in tensor_specs(cfg).items()})
+                                          for name, spec in {**tensor_specs(cfg), **mtp_tensor_specs(cfg)}.items()})
 
 
 def meta_weight(shape: tuple[int, ...], fmt: tuple | None, dtype: torch.dtype):

@@ -15,7 +15,6 @@ import torch
 from deepinfer.runtime.cache import LayerCache, SeqCache
 from deepinfer.config import CSA, ModelConfig
 from deepinfer.model.compressor import RopeTables, compress_prefill
-from deepinfer.model.rollback import record_ring
 from deepinfer.model.weights import Attention
 from tilekernels import OpTable
 
@@ -95,10 +94,7 @@ def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCa
     past_pos = torch.arange(max(seq.window_start, t0 - (window - 1)), t0, device=kv.device)
     full = torch.cat([layer.pool[lay.window_rows(seq.slot, past_pos)], kv], dim=0)
     keep = torch.arange(max(t0, t0 + n - window), t0 + n, device=kv.device)
-    ring_rows = lay.window_rows(seq.slot, keep)
-    if seq.undo is not None:  # a tentative chunk (verifying drafts): the rows it overwrites stay restorable
-        record_ring(seq, layer.pool, keep, ring_rows)
-    layer.pool[ring_rows] = kv[keep - t0].to(layer.pool.dtype)
+    layer.pool[lay.window_rows(seq.slot, keep)] = kv[keep - t0].to(layer.pool.dtype)
     # Window rows of `full` (not of the cache): query at position q sees q-W+1 .. q; row of position x is
     # x - first, where first = t0 - len(past).
     pos = torch.arange(t0, t0 + n, device=kv.device)

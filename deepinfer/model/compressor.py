@@ -1,14 +1,16 @@
 """The CSA/HCA compressors and the lightning indexer's key compressor on the paged cache.
 
-New tokens' projected kv and gate join the open-window buffer; every window of `rate` tokens that closes is
-pooled into one entry (softmax over the window's slots per channel, with the learned position bias), normed,
-and rotated with the compressed RoPE at the window's first-token position. With `overlap` (CSA and its
-indexer), kv/gate carry two series per token: entry w pools the first series of window w-1 (kept as the
-overlap state) and the second series of window w, 2*rate slots in all.
+New tokens' projected kv and gate go into the slot's buffer ring (a position's row at `position % buffer_rows`);
+every window of `rate` tokens that closes is pooled into one entry (softmax over the window's slots per
+channel, with the learned position bias), normed, and rotated with the compressed RoPE at the window's
+first-token position. With `overlap` (CSA and its indexer), kv/gate carry two series per token: entry w pools
+the first series of window w-1 (still in the ring) and the second series of window w, 2*rate slots in all.
 
-`compress_prefill` runs one sequence's chunk (any length); `compress_decode` runs one token for each of B
-sequences with static shapes (CUDA-graph safe): it pools every row's buffer and writes the entry only where a
-window closed (elsewhere to the scratch block).
+`compress_prefill` runs one sequence's chunk (any length); `compress_decode` runs one token per row with static
+shapes (CUDA-graph safe; several rows may belong to one sequence, at consecutive positions: a verify step): it
+pools every row's window and writes the entry only where a window closed (elsewhere to the scratch block).
+The ring holds `lookahead` rows more than the windows need, so rows a step writes past the positions its
+sequence keeps (rejected draft tokens) overwrite nothing a later step reads.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.runtime.cache import Compressor, SeqCache
-from deepinfer.model.rollback import CompressorFeed
 from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
 
@@ -41,51 +42,48 @@ def compress_prefill(
     gate: torch.Tensor, eps: float, rope: RopeTables,
 ) -> torch.Tensor:
     """Feed one sequence's new tokens (kv, gate [S, width], positions t0..t0+S-1); return all its entries [E, d]."""
-    rate, slot, d = comp.rate, seq.slot, w.kv_norm.shape[0]
-    fill, first_entry = t0 % rate, t0 // rate
-    kv = torch.cat([comp.buf_kv[slot, :fill], kv], dim=0)
-    gate = torch.cat([comp.buf_gate[slot, :fill], gate], dim=0)
-    usable = (kv.shape[0] // rate) * rate
-    left = kv.shape[0] - usable
-    tentative = seq.undo is not None  # verifying drafts: the buffer and overlap are fed on commit (model.rollback)
-    if tentative:
-        seq.undo.append(CompressorFeed(comp, w.position_bias, slot, t0 - fill, kv, gate))
-    else:
-        comp.buf_kv[slot, :left] = kv[usable:]
-        comp.buf_gate[slot, :left] = gate[usable:]
+    rate, slot, d, n_new = comp.rate, seq.slot, w.kv_norm.shape[0], kv.shape[0]
+    first_entry = t0 // rate
+    # the rows the pooling reads from the ring: the open window's, and with overlap the last closed window's
+    start = max(first_entry - int(comp.overlap), 0) * rate
+    old = torch.arange(start, t0, device=kv.device)
+    kv = torch.cat([comp.buf_kv[slot, comp.rows(old)], kv], dim=0)  # positions start .. t0 + S - 1
+    gate = torch.cat([comp.buf_gate[slot, comp.rows(old)], gate], dim=0)
+    new = torch.arange(max(t0, t0 + n_new - comp.layout.buffer_rows), t0 + n_new, device=kv.device)
+    comp.buf_kv[slot, comp.rows(new)] = kv[new - start]
+    comp.buf_gate[slot, comp.rows(new)] = gate[new - start]
     blocks = torch.tensor(seq.blocks, dtype=torch.long, device=kv.device)
-    if usable:
-        n = usable // rate
-        chunk_kv = kv[:usable].view(n, rate, -1)
-        chunk_gate = gate[:usable].view(n, rate, -1) + w.position_bias
+    total = (t0 + n_new) // rate  # entries closed once the chunk is in
+    n = total - first_entry
+    if n > 0:
+        base = first_entry * rate - start  # row of the first closing window's first position
+        chunk_kv = kv[base : base + n * rate].view(n, rate, -1)
+        chunk_gate = gate[base : base + n * rate].view(n, rate, -1) + w.position_bias
         if comp.overlap:
             slots_kv = chunk_kv.new_zeros((n, 2 * rate, d))
             slots_gate = chunk_gate.new_full((n, 2 * rate, d), float("-inf"))
             slots_kv[:, rate:] = chunk_kv[..., d:]
             slots_gate[:, rate:] = chunk_gate[..., d:]
-            slots_kv[1:, :rate] = chunk_kv[:-1, :, :d]
-            slots_gate[1:, :rate] = chunk_gate[:-1, :, :d]
-            if first_entry > 0:  # the previous call closed a window: its first series is the overlap
-                slots_kv[0, :rate] = comp.ov_kv[slot]
-                slots_gate[0, :rate] = comp.ov_gate[slot]
-            if not tentative:
-                comp.ov_kv[slot] = chunk_kv[-1, :, :d]
-                comp.ov_gate[slot] = chunk_gate[-1, :, :d]
-            for boundary, snapshot in seq.take.items():  # exact prefix cache: the overlap at a block boundary
-                j = boundary // rate - 1 - first_entry  # the window that ends there
-                if 0 <= j < n:
-                    comp.snap_kv[snapshot] = chunk_kv[j, :, :d]
-                    comp.snap_gate[snapshot] = chunk_gate[j, :, :d]
+            # window w's prior is window w-1's first series (none before window 0)
+            skip = 1 if first_entry == 0 else 0
+            if n > skip:
+                prior = slice(base - rate + skip * rate, base + (n - 1) * rate)
+                slots_kv[skip:, :rate] = kv[prior].view(n - skip, rate, -1)[..., :d]
+                slots_gate[skip:, :rate] = (gate[prior].view(n - skip, rate, -1) + w.position_bias)[..., :d]
         else:
             slots_kv, slots_gate = chunk_kv, chunk_gate
-        new = torch.arange(first_entry, first_entry + n, device=kv.device)
-        entries = _pool(ops, w, slots_kv, slots_gate, new * rate, eps, rope)
-        rows = comp.layout.entry_rows(blocks, new)
+        entries = torch.arange(first_entry, total, device=kv.device)
+        pooled = _pool(ops, w, slots_kv, slots_gate, entries * rate, eps, rope)
+        rows = comp.layout.entry_rows(blocks, entries)
         if (first_entry + 1) * rate <= seq.shared_until:  # windows a prefix hit shares: their entries are cached
-            shared = (new + 1) * rate <= seq.shared_until
+            shared = (entries + 1) * rate <= seq.shared_until
             rows = torch.where(shared, torch.full_like(rows, comp.layout.scratch_row), rows)
-        comp.store[rows] = entries.to(comp.store.dtype)
-    total = (t0 + kv.shape[0] - fill) // rate
+        comp.store[rows] = pooled.to(comp.store.dtype)
+    if comp.overlap:
+        for boundary, snapshot in seq.take.items():  # exact prefix cache: the window that closes at a boundary
+            if t0 < boundary <= t0 + n_new:
+                comp.snap_kv[snapshot] = kv[boundary - rate - start : boundary - start]
+                comp.snap_gate[snapshot] = gate[boundary - rate - start : boundary - start]
     return comp.store[comp.layout.entry_rows(blocks, torch.arange(total, device=kv.device))]
 
 
@@ -95,26 +93,28 @@ def compress_decode(
 ) -> None:
     """One new token per row: kv/gate [B, width] at `inp.positions` [B] for sequences in `inp.slots` [B] whose block
     tables are `inp.blocks` [B, max_blocks] (`decode.DecodeInputs`); the row arithmetic shared through `rows`
-    (`decode.StepRows`) with the step's other compressors. Static shapes throughout."""
+    (`decode.StepRows`) with the step's other compressors. Static shapes throughout; rows of one sequence write
+    their buffer rows before any row pools."""
     lay, d = comp.layout, w.kv_norm.shape[0]
     slots, positions, blocks = inp.slots, inp.positions, inp.blocks
-    # the buffer place, whether a window closes, the entry that closes now (where one closes)
-    at, closing, entry = rows.get(("closing", lay.rate), lambda: (
-        lay.buffer_index(slots, positions), lay.closing(positions), lay.closing_entry(positions)))
+    rate, ring = lay.rate, lay.buffer_rows
+    # the buffer place, whether a window closes, the entry that closes now (where one closes), the rows of the
+    # row's window in the ring (and of the window before it)
+    at, closing, entry, window = rows.get(("closing", rate, ring), lambda: (
+        lay.buffer_index(slots, positions), lay.closing(positions), lay.closing_entry(positions),
+        (positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)))
     comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
     comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
-    chunk_kv = comp.buf_kv[slots]  # [B, rate, width]
-    chunk_gate = comp.buf_gate[slots] + w.position_bias
+    owner = slots.view(-1, 1)
+    chunk_kv = comp.buf_kv[owner, window % ring]  # [B, rate, width]
+    chunk_gate = comp.buf_gate[owner, window % ring] + w.position_bias
     if comp.overlap:
-        has_prior = (entry > 0).view(-1, 1, 1)
-        prior_gate = torch.where(has_prior, comp.ov_gate[slots], torch.full_like(comp.ov_gate[slots], float("-inf")))
-        slots_kv = torch.cat([comp.ov_kv[slots], chunk_kv[..., d:]], dim=1)
+        before = (window - rate) % ring
+        prior_gate = comp.buf_gate[owner, before][..., :d] + w.position_bias[:, :d]
+        prior_gate = torch.where((entry > 0).view(-1, 1, 1), prior_gate, torch.full_like(prior_gate, float("-inf")))
+        slots_kv = torch.cat([comp.buf_kv[owner, before][..., :d], chunk_kv[..., d:]], dim=1)
         slots_gate = torch.cat([prior_gate, chunk_gate[..., d:]], dim=1)
-        keep = closing.view(-1, 1, 1)
-        comp.ov_kv[slots] = torch.where(keep, chunk_kv[..., :d], comp.ov_kv[slots])
-        comp.ov_gate[slots] = torch.where(keep, chunk_gate[..., :d], comp.ov_gate[slots])
     else:
         slots_kv, slots_gate = chunk_kv, chunk_gate
-    entries = _pool(ops, w, slots_kv, slots_gate, rows.get(("closing at", lay.rate), lambda: entry * lay.rate), eps,
-                    rope)
+    entries = _pool(ops, w, slots_kv, slots_gate, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
     comp.store[rows.get(("close rows", lay), lambda: lay.close_rows(blocks, positions))] = entries.to(comp.store.dtype)

@@ -19,6 +19,7 @@ from deepinfer.model.attention import AttentionContext, finish, prefill_core, pr
 from deepinfer.model.compressor import RopeTables
 from deepinfer.model.decode import DecodeInputs, StepRows, decode_core
 from deepinfer.model.moe import moe
+from deepinfer.model.rollback import check_tentative
 from deepinfer.model.rope import inv_freq
 from deepinfer.model.weights import HyperConnection, Layer, MoE, ModelWeights
 from tilekernels import OpTable
@@ -60,14 +61,13 @@ class DeepseekV4:
         `logit_rows` (every row when None), and with `hidden` also every row's final residual streams [N, hc, H]
         (what the MTP draft layer reads). Advances each sequence's token count.
 
-        `tentative` (verifying draft tokens): the chunks' writes to the bounded slot state are recorded so that
-        `rollback.commit(seq, end)` keeps only positions before `end` (ring rows of later positions restored,
-        compressor buffers and overlap fed only up to `end`)."""
-        for seq, start, _ in seqs if not positions.is_meta else ():  # a meta trace has no values to check
+        `tentative` (verifying draft tokens): the chunks' sequences may keep fewer positions than they wrote
+        (`model.rollback.commit`); each chunk then writes at most the cache's lookahead past its first row."""
+        for seq, start, length in seqs if not positions.is_meta else ():  # a meta trace has no values to check
             if int(positions[start]) != seq.num_tokens:
                 raise AssertionError(f"chunk starts at {int(positions[start])} but the sequence holds {seq.num_tokens}")
             if tentative:
-                seq.undo = []
+                check_tentative(length, cache.spec.lookahead)
 
         rotated = positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
 
@@ -83,8 +83,10 @@ class DeepseekV4:
         return (logits, streams) if hidden else logits
 
     @torch.inference_mode()
-    def decode(self, cache: PagedCache, inp: DecodeInputs) -> torch.Tensor:
-        """One token per row (static shapes; the caller advances token counts). Returns fp32 logits [B, V]."""
+    def decode(self, cache: PagedCache, inp: DecodeInputs, hidden: bool = False):
+        """One token per row (static shapes; the caller advances token counts). Returns fp32 logits [B, V] (and with
+        `hidden` the rows' final residual streams [B, hc, H]). Rows of one sequence at consecutive positions (a
+        verify step's) write their state before any row reads it, so each sees the rows before it."""
 
         rotated = inp.positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
         rows = StepRows()  # cache rows the layers share, made once this step
@@ -94,7 +96,8 @@ class DeepseekV4:
             p = project(ctx, w, x, rotated)
             return self._gathered(finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated))
 
-        return self.head(self.blocks(inp.ids, attend), None)
+        streams = self.blocks(inp.ids, attend)
+        return (self.head(streams, None), streams) if hidden else self.head(streams, None)
 
     def _gathered(self, attention: torch.Tensor) -> torch.Tensor:
         """The attention output summed over the tensor-parallel ranks' heads (as is on one rank)."""

@@ -8,7 +8,7 @@ position further (vLLM's way of drafting k > 1 tokens with one MTP layer).
 
 The layer keeps its window KV in `PagedCache.draft_layers` under the slot of its sequence, counted by the
 sequence's `draft` share (`SeqCache.draft`): positions whose target streams and next token are known are
-`catch_up` (kept); `chain` steps are tentative and rolled back (`model.rollback`) once drafted, so the ring
+read and kept; the drafting chain's rows are tentative (dropped once drafted, `model.rollback`), so the window
 holds only what the accepted tokens produced. The draft layer's state affects which tokens are proposed,
 never which are accepted.
 """
@@ -79,17 +79,8 @@ def draft_share(seq: SeqCache, start: int) -> SeqCache:
     return seq.draft
 
 
-def tentative(seqs: list[SeqCache]) -> None:
-    """Chain steps: the draft shares' ring writes become undoable (`rollback_chain` drops them)."""
-    for s in seqs:
-        if s.undo is None:
-            s.undo = []
-
-
 def rollback_chain(seqs: list[SeqCache], ends: list[int]) -> None:
-    """After drafting: each draft share back to the positions its target has kept (`ends`)."""
+    """After drafting: each draft share back to the positions its target has kept (`ends`): what the chain wrote
+    past them lies in the ring's lookahead rows (`model.rollback`)."""
     for s, end in zip(seqs, ends):
-        if s.undo is not None:
-            commit(s, end)
-
-
+        commit(s, end)

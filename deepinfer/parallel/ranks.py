@@ -49,6 +49,8 @@ def combine(parts: list[RunStats]) -> RunStats:
         elif name == "first_token_time":
             known = [v for v in values if v is not None]
             setattr(out, name, min(known) if known else None)
+        elif name == "spec":  # speculative decoding runs on one device: no rank has verified anything
+            setattr(out, name, values[0])
         elif isinstance(value, float):
             setattr(out, name, max(values))
         else:

@@ -43,7 +43,6 @@ class SeqCache:
     pending: dict[int, int] = field(default_factory=dict)  # boundary -> snapshot written, not yet attached
     begun: bool = False  # put on its cached prefix (`SlotBlocks.start`) when its first prefill chunk was scheduled
     resume: int = 0  # the position its prefill began at (the hit, or an approximate hit's replay start)
-    undo: list | None = None  # a tentative step's slot-state writes, until `model.rollback.commit` (speculative)
     draft: SeqCache | None = None  # the draft layers' share of the slot (speculative decoding): their own count
 
 

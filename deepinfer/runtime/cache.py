@@ -34,12 +34,10 @@ class Compressor:
 
     layout: CompressorLayout
     store: torch.Tensor  # [rows, dim]: the entries (the layer's pool for the main compressor, its keys for the indexer)
-    buf_kv: torch.Tensor  # [slots + 1, rate, width]
-    buf_gate: torch.Tensor  # [slots + 1, rate, width] (gate without the position bias)
-    ov_kv: torch.Tensor | None = None  # [slots + 1, rate, dim]: the last closed window's first series
-    ov_gate: torch.Tensor | None = None  # [slots + 1, rate, dim] fp32, position bias included
-    snap_kv: torch.Tensor | None = None  # [snapshots, rate, dim]: ov_kv at a snapshot's boundary (exact prefix cache)
-    snap_gate: torch.Tensor | None = None  # [snapshots, rate, dim] fp32
+    buf_kv: torch.Tensor  # [slots + 1, buffer_rows, width]: a ring of the last positions' rows (layout)
+    buf_gate: torch.Tensor  # [slots + 1, buffer_rows, width] (gate without the position bias)
+    snap_kv: torch.Tensor | None = None  # [snapshots, rate, width]: the window closing at a snapshot's boundary
+    snap_gate: torch.Tensor | None = None  # [snapshots, rate, width] (exact prefix cache; CSA's overlap carries it)
 
     @property
     def rate(self) -> int:
@@ -54,11 +52,14 @@ class Compressor:
         def alloc(r: Region | None) -> torch.Tensor | None:
             return None if r is None else r.slot_view(r.allocate(device))
 
-        return cls(layout, store, alloc(layout.buf_kv), alloc(layout.buf_gate), alloc(layout.ov_kv),
-                   alloc(layout.ov_gate))
+        return cls(layout, store, alloc(layout.buf_kv), alloc(layout.buf_gate))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate) if t is not None]
+        return [self.buf_kv, self.buf_gate]
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Buffer ring rows of `positions` (any shape)."""
+        return positions % self.layout.buffer_rows
 
 
 @dataclass
@@ -112,8 +113,8 @@ class PagedCache(SlotBlocks):
             layer.snap_ring = torch.zeros((n, layer.layout.window, layer.layout.head_dim), dtype=self.dtype,
                                           device=self.device)
             for c in layer.carried():
-                c.snap_kv = torch.zeros((n, *c.ov_kv.shape[1:]), dtype=c.ov_kv.dtype, device=self.device)
-                c.snap_gate = torch.zeros((n, *c.ov_gate.shape[1:]), dtype=c.ov_gate.dtype, device=self.device)
+                c.snap_kv = torch.zeros((n, c.rate, c.buf_kv.shape[-1]), dtype=c.buf_kv.dtype, device=self.device)
+                c.snap_gate = torch.zeros((n, c.rate, c.buf_gate.shape[-1]), dtype=c.buf_gate.dtype, device=self.device)
 
     def salt(self) -> bytes:
         """What a prefix cache's block names are seeded with: the model's geometry and the cache dtype."""
@@ -125,8 +126,9 @@ class PagedCache(SlotBlocks):
         for layer in self.layers:
             layer.pool[layer.layout.window_rows(slot, pos)] = layer.snap_ring[snapshot]
             for c in layer.carried():
-                c.ov_kv[slot] = c.snap_kv[snapshot]
-                c.ov_gate[slot] = c.snap_gate[snapshot]
+                rows = c.rows(pos[-c.rate:])
+                c.buf_kv[slot, rows] = c.snap_kv[snapshot]
+                c.buf_gate[slot, rows] = c.snap_gate[snapshot]
 
     def take_snapshots(self, slots: list[int], snapshots: list[int], boundaries: list[int]) -> None:
         """Snapshot slots whose sequences have just written the position before `boundaries` (decode)."""
@@ -135,8 +137,9 @@ class PagedCache(SlotBlocks):
         for layer in self.layers:
             layer.snap_ring[snap] = layer.pool[layer.layout.window_rows(slot.view(-1, 1), pos)]
             for c in layer.carried():
-                c.snap_kv[snap] = c.ov_kv[slot]
-                c.snap_gate[snap] = c.ov_gate[slot]
+                rows = c.rows(pos[:, -c.rate:])
+                c.snap_kv[snap] = c.buf_kv[slot.view(-1, 1), rows]
+                c.snap_gate[snap] = c.buf_gate[slot.view(-1, 1), rows]
 
     def snapshot_bytes(self) -> int:
         """Bytes of every window snapshot kept (exact prefix caching)."""

@@ -27,6 +27,7 @@ class CacheSpec:
     block_tokens: int = 128  # a multiple of every compression rate, so block boundaries close every window
     snapshots: int = 0  # sliding-window snapshots kept for exact prefix caching (runtime/prefix.py)
     draft_layers: int = 0  # MTP draft layers with a window ring per slot (speculative decoding)
+    lookahead: int = 0  # positions a step may write past those its sequence keeps (speculative verify rows)
 
     @property
     def max_tokens(self) -> int:
@@ -90,9 +91,12 @@ class Region:
 
 @dataclass(frozen=True)
 class CompressorLayout:
-    """One compressor's geometry: open-window buffers per slot (kv, gate: [slots, rate, width]), CSA overlap per
-    slot (kv in the cache dtype, gate fp32: [slots, rate, dim]), and `per_block` entries per block, stored from
-    row `base` of its store (the layer's pool for the main compressor, its own key tensor for the indexer)."""
+    """One compressor's geometry: per slot, a ring of its last positions' kv and gate rows (without the position
+    bias; [slots, buffer_rows, width], a position's row at `position % buffer_rows`): the open window's, with
+    overlap (CSA and its indexer) also the last closed window's (its first series pools into the next entry), and
+    `lookahead` more so that a step's rows past the ones its sequence keeps overwrite nothing it still reads;
+    `per_block` entries per block, stored from row `base` of its store (the layer's pool for the main compressor,
+    its own key tensor for the indexer)."""
 
     rate: int
     overlap: bool
@@ -103,17 +107,19 @@ class CompressorLayout:
     scratch_block: int
     buf_kv: Region
     buf_gate: Region
-    ov_kv: Region | None
-    ov_gate: Region | None
 
     @property
     def regions(self) -> tuple[Region, ...]:
-        return tuple(r for r in (self.buf_kv, self.buf_gate, self.ov_kv, self.ov_gate) if r is not None)
+        return self.buf_kv, self.buf_gate
+
+    @property
+    def buffer_rows(self) -> int:
+        return self.buf_kv.slot_rows
 
     # ---- rows (pure torch ops, static shapes, no host syncs) ----
     def buffer_index(self, slots: torch.Tensor | int, positions: torch.Tensor) -> tuple:
-        """Index of position `positions`' place in the open-window buffers of `slots`."""
-        return slots, positions % self.rate
+        """Index of position `positions`' row in the buffer rings of `slots` (broadcast)."""
+        return slots, positions % self.buffer_rows
 
     def closing(self, positions: torch.Tensor) -> torch.Tensor:
         """Where the token at `positions` closes a window."""
@@ -162,6 +168,7 @@ class LayerLayout:
     kind: str
     window: int
     head_dim: int
+    ring: int  # window ring rows per slot: the window, and the lookahead (rows a step may write and not keep)
     pool: Region
     compressor: CompressorLayout | None
     indexer: CompressorLayout | None
@@ -197,7 +204,7 @@ class LayerLayout:
     # ---- rows (pure torch ops, static shapes, no host syncs) ----
     def window_rows(self, slots: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
         """Pool rows holding positions `positions` in the window rings of `slots` (broadcast)."""
-        return slots * self.window + positions % self.window
+        return slots * self.ring + positions % self.ring
 
     def attend_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[B, window] pool rows of the window a query at `positions` [B] sees (positions - window + 1 ..
@@ -223,22 +230,21 @@ class CacheLayout:
             if spec.block_tokens % rate:
                 raise ConfigError(f"block_tokens={spec.block_tokens} must be a multiple of the compression rate {rate}")
         slots, blocks = spec.max_seqs + 1, spec.num_blocks + 1
-        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+        d, di, w, ahead = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window, spec.lookahead
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             rate = cfg.compress_rate(i)
             per_block = spec.block_tokens // rate if rate else 0
-            pool = Region(f"layers.{i}.pool", dtype, (d,), w, per_block, slots, blocks)
+            pool = Region(f"layers.{i}.pool", dtype, (d,), w + ahead, per_block, slots, blocks)
 
             def comp(name: str, overlap: bool, dim: int, base: int) -> CompressorLayout:
                 width = 2 * dim if overlap else dim
-                region = partial(Region, slot_rows=rate, block_rows=0, slots=slots, blocks=blocks)
+                region = partial(Region, slot_rows=(2 if overlap else 1) * rate + ahead, block_rows=0, slots=slots,
+                                 blocks=blocks)
                 return CompressorLayout(
                     rate=rate, overlap=overlap, width=width, dim=dim, per_block=per_block, base=base,
                     scratch_block=blocks - 1, buf_kv=region(f"{name}.buf_kv", dtype, (width,)),
                     buf_gate=region(f"{name}.buf_gate", dtype, (width,)),
-                    ov_kv=region(f"{name}.ov_kv", dtype, (dim,)) if overlap else None,
-                    ov_gate=region(f"{name}.ov_gate", torch.float32, (dim,)) if overlap else None,
                 )
 
             compressor = comp(f"layers.{i}.compressor", kind == CSA, d, pool.block_start) if rate else None
@@ -246,9 +252,9 @@ class CacheLayout:
             if kind == CSA:
                 indexer = comp(f"layers.{i}.indexer", True, di, 0)
                 keys = Region(f"layers.{i}.indexer.keys", dtype, (di,), 0, per_block, slots, blocks)
-            layers.append(LayerLayout(i, kind, w, d, pool, compressor, indexer, keys))
-        draft = tuple(LayerLayout(cfg.num_hidden_layers + j, SLIDING, w, d,
-                                  Region(f"mtp.{j}.pool", dtype, (d,), w, 0, slots, blocks), None, None, None)
+            layers.append(LayerLayout(i, kind, w, d, w + ahead, pool, compressor, indexer, keys))
+        draft = tuple(LayerLayout(cfg.num_hidden_layers + j, SLIDING, w, d, w + ahead,
+                                  Region(f"mtp.{j}.pool", dtype, (d,), w + ahead, 0, slots, blocks), None, None, None)
                       for j in range(spec.draft_layers))
         return cls(spec, dtype, tuple(layers), draft)
 
@@ -277,11 +283,12 @@ class CacheLayout:
 
     @property
     def snapshot_bytes(self) -> int:
-        """Bytes of one sliding-window snapshot: every layer's window KV and the CSA compressors' carried state."""
+        """Bytes of one sliding-window snapshot: every layer's window KV and the CSA compressors' carried state (the
+        kv and gate rows of the window that closes at the boundary)."""
         out = 0
         for layer in self.layers:
             out += layer.window * layer.pool.row_bytes
             for c in (layer.compressor, layer.indexer):
                 if c is not None and c.overlap:
-                    out += c.ov_kv.slot_bytes + c.ov_gate.slot_bytes
+                    out += c.rate * (c.buf_kv.row_bytes + c.buf_gate.row_bytes)
         return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model.mtp import MTPDrafter, draft_share, rollback_chain, tentative
+from deepinfer.model.mtp import MTPDrafter, draft_share, rollback_chain
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.sampler import Features, pack, select_tokens
 from deepinfer.runtime.sampling import draw_seed, uniform
@@ -85,7 +85,6 @@ class MTPDrafts:
                 d.append(t)
             if step == k - 1:
                 break
-            tentative(shares)
             positions = torch.tensor([p + step - 1 for p in first], device=device)
             logits, streams = self.drafter.forward(self.cache, streams, tokens, positions,
                                                    [(s, i, 1) for i, s in enumerate(shares)], None)

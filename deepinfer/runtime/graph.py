@@ -51,17 +51,22 @@ class _Bucket:
     inputs: DecodeInputs
     stage: InputStage
     logits: torch.Tensor | None = None
+    streams: torch.Tensor | None = None  # the rows' final residual streams (`hidden` graphs)
     replay: Callable[[], Any] | None = None
 
 
 class DecodeGraphs:
     def __init__(self, model: DeepseekV4, cache: PagedCache, max_batch: int,
-                 capture: Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], Any]]] | None):
-        """`capture(fn)` runs fn under a graph capture and returns (its output, replay); None = eager."""
-        self.model, self.cache, self.capture = model, cache, capture
+                 capture: Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], Any]]] | None,
+                 hidden: bool = False):
+        """`capture(fn)` runs fn under a graph capture and returns (its output, replay); None = eager. `max_batch`:
+        rows of the largest step (speculative decoding: requests x (1 + drafts)). `hidden`: the steps keep their
+        rows' final residual streams too (`last_streams`; the MTP draft layer reads them)."""
+        self.model, self.cache, self.capture, self.hidden = model, cache, capture, hidden
         self.buckets = batch_buckets(max_batch)
         self._graphs: dict[int, _Bucket] = {}
         self.last_logits: torch.Tensor | None = None  # the bucket-sized logits buffer of the last replayed step
+        self.last_streams: torch.Tensor | None = None  # the last step's rows' streams (`hidden`)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -73,9 +78,9 @@ class DecodeGraphs:
             return []
         return [self._static(size).logits for size in sorted(self.buckets, reverse=True)]
 
-    def _step(self, inputs: DecodeInputs) -> torch.Tensor:
+    def _step(self, inputs: DecodeInputs):
         torch.index_select(self.cache.tables, 0, inputs.slots, out=inputs.blocks)
-        return self.model.decode(self.cache, inputs)
+        return self.model.decode(self.cache, inputs, hidden=self.hidden)
 
     def _static(self, size: int) -> _Bucket:
         if size not in self._graphs:
@@ -87,7 +92,8 @@ class DecodeGraphs:
                 (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device))
             bucket = _Bucket(inputs, stage)
             if self.capture is not None:  # all rows are padding while capturing: only scratch state is touched
-                bucket.logits, bucket.replay = self.capture(lambda: self._step(inputs))
+                out, bucket.replay = self.capture(lambda: self._step(inputs))
+                bucket.logits, bucket.streams = out if self.hidden else (out, None)
             self._graphs[size] = bucket
         return self._graphs[size]
 
@@ -101,7 +107,10 @@ class DecodeGraphs:
         take_ids(ids, bucket.stage.send(stage_rows(ids, positions, [s.slot for s in seqs], size,
                                                    self.cache.scratch_slot)))
         if bucket.replay is None or eager:
-            return self._step(bucket.inputs)[:n]
-        bucket.replay()
-        self.last_logits = bucket.logits
-        return bucket.logits[:n]
+            out = self._step(bucket.inputs)
+            logits, streams = out if self.hidden else (out, None)
+        else:
+            bucket.replay()
+            self.last_logits, logits, streams = bucket.logits, bucket.logits, bucket.streams
+        self.last_streams = None if streams is None else streams[:n]
+        return logits[:n]

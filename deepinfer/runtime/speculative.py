@@ -1,7 +1,8 @@
 """Speculative decoding with DeepSeek-V4's MTP layer: draft k tokens, verify them in one target step.
 
-A speculative decode step feeds each running request its last token and its draft tokens as one prefill-like
-chunk (`DeepseekV4.prefill(tentative=True)`), so every row gets the target's logits. Row j's token is drawn
+A speculative decode step feeds each running request its last token and its draft tokens as consecutive rows of
+one decode step (the decode graphs, sized for requests x (1 + k) rows; a prefill-like step beyond the largest),
+so every row gets the target's logits. Row j's token is drawn
 exactly as plain decoding draws the token at that position (`runtime/sampler.py`: the same masks, bias,
 penalties over the tokens before it, and the uniform keyed by (seed, position)); the draft token at that
 position is accepted when it equals it, and the first row whose token differs (or the last row: the bonus)
@@ -15,7 +16,7 @@ then drafts the next k tokens by running on its own output (`model.mtp`). A draf
 layer's logits as the target's token will be (argmax for greedy rows; the same keyed uniform for sampled rows,
 so draft and target draws are coupled and agree whenever the two distributions are close).
 
-Steps run synchronously (no decode step is launched ahead of the host) and eagerly (no decode graph).
+Steps run synchronously (no decode step is launched ahead of the host); sampling and drafting run eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.model.rollback import commit
+from deepinfer.model.rollback import check_tentative, commit
 from deepinfer.runtime.logprobs import StepLogprobs
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.sampler import Features, History, Seen, pack, select_tokens
@@ -38,30 +39,37 @@ if TYPE_CHECKING:
 
 @dataclass
 class SpecStats:
-    """What the speculative steps did: draft tokens verified and accepted, per draft position."""
+    """What the speculative steps did. Per draft position i: `reached[i]` drafts verified with every draft before
+    them accepted, `accepted[i]` of those accepted (so `acceptance[i]` is the acceptance rate at position i given
+    the ones before it stood)."""
 
     steps: int = 0
+    request_steps: int = 0  # requests verified, summed over the steps
     verify_tokens: int = 0  # rows of the verify steps (each request's last token and its drafts)
-    drafted: list[int] = field(default_factory=list)  # [i]: drafts verified at draft position i (0-based)
-    accepted: list[int] = field(default_factory=list)  # [i]: of those, accepted
+    drafts: int = 0  # draft tokens verified
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
     def count(self, verified: int, accepted: int) -> None:
-        while len(self.drafted) < verified:
-            self.drafted.append(0)
+        """One request's step: `verified` drafts, the first `accepted` of them accepted."""
+        self.request_steps += 1
+        self.drafts += verified
+        reached = min(verified, accepted + 1)
+        while len(self.reached) < reached:
+            self.reached.append(0)
             self.accepted.append(0)
-        for i in range(verified):
-            self.drafted[i] += 1
+        for i in range(reached):
+            self.reached[i] += 1
             self.accepted[i] += i < accepted
 
     @property
     def acceptance(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.reached)]
 
     @property
     def mean_accepted(self) -> float:
-        """Tokens each request gained per verify step (accepted drafts + the target's own token)."""
-        rows = self.verify_tokens - sum(self.drafted)  # one per request per step
-        return (sum(self.accepted) + rows) / rows if rows else 0.0
+        """Tokens a request gains per verify step (accepted drafts + the target's own token)."""
+        return (sum(self.accepted) + self.request_steps) / self.request_steps if self.request_steps else 0.0
 
 
 class Speculator:
@@ -69,7 +77,7 @@ class Speculator:
     `V4Steps`: `tokens` drafts per request and step at most."""
 
     def __init__(self, steps, tokens: int, drafts):
-        self.model, self.cache, self.k, self.drafts = steps.model, steps.cache, tokens, drafts
+        self.steps, self.model, self.cache, self.k, self.drafts = steps, steps.model, steps.cache, tokens, drafts
 
     def after_prefill(self, chunks: list[tuple[Request, int, int, int]], streams: torch.Tensor,
                       sampled: dict[int, int]) -> None:
@@ -91,9 +99,18 @@ class Speculator:
             ids += [r.generated[-1], *drafts]
             positions += range(base, base + 1 + len(drafts))
             bases.append(base)
-        logits, streams = self.model.prefill(self.cache, torch.tensor(ids, device=device),
-                                             torch.tensor(positions, device=device), chunks, None, hidden=True,
-                                             tentative=True)
+        graphs = getattr(self.steps, "graphs", None)
+        if graphs is not None and len(ids) <= graphs.buckets[-1]:  # decode rows, several per request: its graphs
+            for r, (seq, _, n) in zip(reqs, chunks):
+                check_tentative(n, self.cache.spec.lookahead)
+            logits = graphs.run(ids, positions, [seq for seq, _, n in chunks for _ in range(n)])
+            streams = graphs.last_streams
+            for seq, _, n in chunks:
+                seq.num_tokens += n
+        else:  # more rows than the largest graph: a prefill-like step
+            logits, streams = self.model.prefill(self.cache, torch.tensor(ids, device=device),
+                                                 torch.tensor(positions, device=device), chunks, None, hidden=True,
+                                                 tentative=True)
         spec.steps += 1
         spec.verify_tokens += len(ids)
         stats.decode_steps += 1

@@ -1,0 +1,64 @@
+"""Speculative decoding on the H200 (sm90 kernels, bf16, verify rows through the CUDA-graph decode steps): the
+output equals plain decoding's. With batch-invariant kernels, bit for bit (tokens and logprobs) with the MTP
+layer's drafts and with mostly-right drafts (`OracleDrafts`); with the default kernels, token for token on a
+model whose greedy margins are far above bf16 rounding. Run with `pytest -m gpu` on the GPU host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer
+from deepinfer.config import ModelConfig
+from deepinfer.runtime.drafters import OracleDrafts
+from deepinfer.runtime.sampling import SamplingParams
+from deepinfer.runtime.speculative import Speculator
+from deepinfer.tiny import random_tensors
+from tests.helpers import TINY_MTP, save_model_dir
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tensors = random_tensors(ModelConfig.from_dict(TINY_MTP), seed=0)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 30.0  # confident: margins far above bf16 rounding
+    return save_model_dir(tmp_path_factory.mktemp("gpu-spec") / "tiny-mtp", TINY_MTP, tensors)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [{"token_ids": torch.randint(2, 512, (n,), generator=g).tolist()} for n in (200, 37, 140, 5)]
+
+
+def signature(outs):
+    return [(o.token_ids, [(e.token_id, e.logprob) for e in o.logprobs or ()]) for o in outs]
+
+
+def swap_oracle(llm, reference, accept: float, k: int) -> None:
+    drafts = OracleDrafts({i: o.token_ids for i, o in enumerate(reference)}, accept, llm.config.vocab_size)
+    llm.engine.speculator = Speculator(llm.engine.steps, k, drafts)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_speculative_equals_plain_decoding(model_dir, cuda, invariant):
+    kw = dict(backend="nvidia", dtype="bfloat16", max_num_seqs=4, prefix_cache="off", batch_invariant=invariant)
+    plain = deepinfer.LLM(model_dir, speculative_tokens=0, **kw)
+    spec = deepinfer.LLM(model_dir, speculative_tokens=4, **kw)
+    assert spec.engine.steps.graphs.capture is not None and spec.engine.steps.graphs.buckets[-1] == 20
+    params = [SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True, logprobs=3 if invariant else None),
+              SamplingParams(temperature=0.8, seed=5, max_new_tokens=48, ignore_eos=True)]
+    for p in params:
+        want = plain.generate(prompts(), p)
+        got = spec.generate(prompts(), p)  # the MTP layer's drafts (random weights: mostly rejected)
+        assert spec.last_stats.spec.steps > 0
+        check = signature if invariant else (lambda outs: [o.token_ids for o in outs])
+        assert check(got) == check(want)
+        swap_oracle(spec, want, 0.8, 4)
+        got = spec.generate(prompts(), p)
+        assert spec.last_stats.spec.accepted[0] > 0 and check(got) == check(want)
+        spec.engine.speculator = Speculator(spec.engine.steps, 4, type(spec.engine.speculator.drafts)(
+            {i: o.token_ids for i, o in enumerate(want)}, 1.0, spec.config.vocab_size))
+        got = spec.generate(prompts(), p)
+        st = spec.last_stats.spec
+        assert st.accepted == st.reached and check(got) == check(want)
