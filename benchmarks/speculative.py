@@ -43,7 +43,7 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def build(name: str, top: int, positions: int, lookahead: int):
+def build(name: str, top: int, positions: int, lookahead: int, invariant: bool = False):
     """An LLM (the embedded tiny model: tokenizer, grammars, request handling) whose engine runs `name`'s model
     (slice: V4-Flash slice, random bf16 weights without the MTP tensors, CUDA graphs; tiny: the LLM's own model,
     eager on the CPU) over a cache for `top` requests of `positions` positions; returns (llm, engine, vocab,
@@ -56,7 +56,7 @@ def build(name: str, top: int, positions: int, lookahead: int):
     from deepinfer.runtime.steps import V4Steps
 
     llm = deepinfer.LLM(backend="nvidia" if name == "slice" else "reference", max_num_seqs=top,
-                        prefix_cache="off", speculative_tokens=0)
+                        prefix_cache="off", speculative_tokens=0, batch_invariant=invariant)
     if name == "slice":
         import decode as bench
         from deepinfer.config import ModelConfig
@@ -67,6 +67,9 @@ def build(name: str, top: int, positions: int, lookahead: int):
         cfg, dtype, device = ModelConfig.from_model_dir(bench.SLICE), torch.bfloat16, "cuda"
         tensors = {k: t for k, t in random_tensors(cfg, seed=0, dtype=dtype, device=device).items()
                    if not k.startswith("mtp.")}  # the oracle drafts, not the MTP layer (~25% of the memory)
+        # a confident head: greedy margins far above bf16 rounding, so the verify rows' kernels (other row counts
+        # than plain decoding's) pick the plain run's tokens and the oracle's drafts stay on its path; speed unchanged
+        tensors["lm_head.weight"] = tensors["lm_head.weight"] * 30.0
         torch.cuda.empty_cache()
         model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, tensors), llm.backend.ops)
         label = torch.cuda.get_device_name()
@@ -118,9 +121,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="a small grid where not given: batches 1,4, "
                         "accept 0.8, k 1,3, cost k 0,2,4, 32-token prompts and outputs")
+    parser.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels for both runs")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--render", default=None, help="print the tables of a results JSON file and exit")
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        render(results, f"# {results['device']} | {results['date']} | commit {results['commit']} | "
+                        f"{results['model']} | {results['prompt_tokens']}-token prompts, {results['new_tokens']} "
+                        "new tokens, greedy")
+        return
     if args.quick:  # the options left at their defaults
         quick = {"batches": "1,4", "accepts": "0.8", "ks": "1,3", "cost_ks": "0,2,4", "prompt_tokens": 32,
                  "new_tokens": 32}
@@ -135,14 +146,14 @@ def main() -> None:
     batches, accepts, ks, cost_ks = ints(args.batches), floats(args.accepts), ints(args.ks), ints(args.cost_ks)
     top = max(batches)
     llm, engine, vocab, device = build(args.model, top, args.prompt_tokens + args.new_tokens + 1,
-                                       max(ks + cost_ks))
+                                       max(ks + cost_ks), args.batch_invariant)
     model_name = {"slice": "V4-Flash slice (random bf16 weights, CUDA graphs for plain decode steps)",
                   "tiny": "embedded tiny model (reference backend, CPU, eager)"}[args.model]
     results = {"device": device, "date": str(datetime.date.today()), "commit": args.commit, "model": args.model,
                "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "speed": [], "cost": []}
     header = (f"# {device} | {results['date']} | commit {args.commit} | {model_name} | {args.prompt_tokens}-token "
               f"prompts, {args.new_tokens} new tokens, greedy")
-    print(header, flush=True)
+    print(header, file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
     plain, speed, cost = {}, [], []
@@ -154,8 +165,9 @@ def main() -> None:
         plain[batch] = st
         continuations = {i: o.token_ids for i, o in enumerate(reference)}
 
-        def speculative(k: int, accept: float):
-            engine.speculator = Speculator(engine.steps, k, OracleDrafts(continuations, accept, vocab))
+        def speculative(k: int, accept: float, varlen: bool = False):
+            engine.speculator = Speculator(engine.steps, k, OracleDrafts(continuations, accept, vocab), varlen)
+            engine.speculator.profile()  # sized verification: each captured bucket's cost
             try:
                 _, s, bad = run(llm, items, [params] * batch, reference)
             finally:
@@ -163,8 +175,8 @@ def main() -> None:
             return s, bad
 
         for accept in accepts:
-            for k in ks:
-                s, bad = speculative(k, accept)
+            for k in ks + ["sized"]:
+                s, bad = speculative(max(ks), accept, True) if k == "sized" else speculative(k, accept)
                 sp = s.spec
                 row = {"batch": batch, "accept": accept, "k": k, "plain_tok_s": tok_s(st), "spec_tok_s": tok_s(s),
                        "speedup": tok_s(s) / tok_s(st) if tok_s(st) else 0.0, "acceptance": sp.acceptance,
@@ -184,10 +196,19 @@ def main() -> None:
                    "spec_tok_s": tok_s(s), "plain_tok_s": tok_s(st), "mismatched_requests": bad}
             cost.append(row)
             print(f"  batch {batch} cost k {k}: {row['step_ms']:.3f} ms/step", file=sys.stderr, flush=True)
-    results["speed"], results["cost"] = speed, cost
+        results["speed"], results["cost"] = speed, cost
+        if args.out:  # after every batch: a run cut short keeps what it measured (`--render` prints it)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    render(results, header)
+
+
+def render(results: dict, header: str) -> None:
+    """The markdown tables of a results dict."""
+    speed, cost = results["speed"], results["cost"]
+    print(header)
 
     print("\n## Speculative against plain decoding (oracle drafts)\n")
-    print("| batch | accept | k | plain tok/s | spec tok/s | speedup | acceptance by position | tokens / request-step "
+    print("| batch | accept | k (sized: confidence-sized, up to the largest k) | plain tok/s | spec tok/s | speedup | acceptance by position | tokens / request-step "
           "| verify tokens / step | steps spec / plain | mismatched requests |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in speed:
@@ -206,8 +227,6 @@ def main() -> None:
         print(f"| {r['batch']} | {r['plain_step_ms']:.3f} | {r['k']} | {r['verified_per_request']:.2f} | "
               f"{r['step_ms']:.3f} | {r['ms_per_verified_token']:.4f} | {r['step_ms'] / r['plain_step_ms']:.2f}x | "
               f"{r['spec_tok_s']:.1f} | {r['mismatched_requests']} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class LLM:
         batch_invariant: bool | None = None,
         prefix_cache: str | None = None,
         speculative_tokens: int | None = None,
+        speculative_varlen: bool | None = None,
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
@@ -67,7 +68,7 @@ class LLM:
         args = {k: v for k, v in locals().items() if k in _LLM_ARGS}
         check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
                       gpu_memory_utilization, random_seed, quantization, batch_invariant, prefix_cache,
-                      speculative_tokens)
+                      speculative_tokens, speculative_varlen)
         self.parallel = ParallelConfig(data_parallel_size, tensor_parallel_size, enable_expert_parallel)
         eplb = eplb_config(self.parallel, enable_eplb, eplb_redundant_experts, eplb_step_interval)
         self.last_stats: RunStats | None = None
@@ -147,9 +148,10 @@ class LLM:
             self.model.weights, "mtp", ())) if not v41 else 0, str(self.model_dir or "the tiny random model"))
         self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens, async_scheduling),
                              self.grammars, max_len=self.max_model_len, speculator=speculator(
-                                 built.steps, self.speculative_tokens))
+                                 built.steps, self.speculative_tokens,
+                                 env.mtp_varlen if speculative_varlen is None else speculative_varlen))
         begin = time.perf_counter()
-        self.engine.capture_all()  # every decode-graph bucket at start, not in the first requests' path
+        self.engine.capture_all()  # every decode-graph bucket at start (and its cost, for sized verification)
         log.info("deepinfer: start-up: graph capture %.2f s (every decode bucket)", time.perf_counter() - begin)
 
     def describe(self) -> str:
@@ -374,7 +376,7 @@ class LLM:
 
 _LLM_ARGS = ("model", "backend", "dtype", "tokenizer", "max_num_seqs", "max_prefill_tokens", "max_model_len", "num_blocks",
              "gpu_memory_utilization", "random_seed", "show_progress", "quantization", "async_scheduling",
-             "batch_invariant", "prefix_cache", "speculative_tokens",
+             "batch_invariant", "prefix_cache", "speculative_tokens", "speculative_varlen",
              "data_parallel_size", "tensor_parallel_size", "enable_expert_parallel", "enable_eplb",
              "eplb_redundant_experts", "eplb_step_interval")
 

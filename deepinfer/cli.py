@@ -130,6 +130,9 @@ def run() -> None:
               help="Draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (same "
                    "tokens as plain decoding); 0 = plain decoding [default: $DEEPINFER_USE_NEXTN_DECODE, else 5 when "
                    "the checkpoint has an MTP layer, else 0].")
+@click.option("--speculative-varlen/--no-speculative-varlen", default=None,
+              help="Confidence-sized verification: per step, verify the drafts worth it across the batch, from the "
+                   "drafts' confidences and the measured step costs [default: $DEEPINFER_ENABLE_MTP_VARLEN, else off].")
 @click.option("--batch-invariant/--no-batch-invariant", default=None,
               help="Batch-invariant ops: a request's tokens do not depend on what it is batched with (DeepSeek-V4) "
                    "[default: $DEEPINFER_BATCH_INVARIANT, else off].")
@@ -194,7 +197,8 @@ class _Item:
 
 def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking, stop, dtype, output, fmt, backend,
              max_num_seqs, max_prefill_tokens, max_model_len, num_blocks, quantization, async_scheduling=True,
-             batch_invariant=None, prefix_cache=None, speculative_tokens=None, data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
+             batch_invariant=None, prefix_cache=None, speculative_tokens=None, speculative_varlen=None,
+             data_parallel_size=1, tensor_parallel_size=1, enable_expert_parallel=False, enable_eplb=False,
              eplb_redundant_experts=0, eplb_step_interval=1000, explicit=frozenset(), **flags) -> int:
     from deepinfer.api import LLM
     from deepinfer.env import Env
@@ -271,6 +275,7 @@ def _offline(model_dir, prompts, prompts_file, stream, token_ids, chat, thinking
                   max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, num_blocks=num_blocks,
                   show_progress=True, quantization=quantization, async_scheduling=async_scheduling,
                   batch_invariant=batch_invariant, prefix_cache=prefix_cache, speculative_tokens=speculative_tokens,
+                  speculative_varlen=speculative_varlen,
                   data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                   enable_expert_parallel=enable_expert_parallel, enable_eplb=enable_eplb,
                   eplb_redundant_experts=eplb_redundant_experts, eplb_step_interval=eplb_step_interval)

@@ -23,6 +23,7 @@ class Env:
     batch_invariant: bool = False  # DEEPINFER_BATCH_INVARIANT: 1 = a request's result does not depend on its batch
     swa_replay_tokens: int = 128  # DEEPINFER_SWA_REPLAY_TOKENS: tokens an approximate prefix hit prefills again
     nextn_decode: int | None = None  # DEEPINFER_USE_NEXTN_DECODE: draft tokens per step (unset: 5 with a drafter)
+    mtp_varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-sized verification of the drafts
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -55,9 +56,13 @@ class Env:
             raise ConfigError(f"DEEPINFER_USE_NEXTN_DECODE={raw_nextn!r} is not valid; accepted: an integer from 0 to "
                               f"{MAX_DRAFT_TOKENS} (draft tokens per decode step, 0 = plain decoding; unset: 5 when "
                               "the checkpoint has an MTP layer)")
+        raw_varlen = environ.get("DEEPINFER_ENABLE_MTP_VARLEN") or "0"
+        if raw_varlen.strip().lower() not in _FLAGS:
+            raise ConfigError(f"DEEPINFER_ENABLE_MTP_VARLEN={raw_varlen!r} is not valid; accepted: {', '.join(_FLAGS)} "
+                              "(unset or empty: off)")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
                    cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant],
-                   swa_replay_tokens=replay, nextn_decode=nextn)
+                   swa_replay_tokens=replay, nextn_decode=nextn, mtp_varlen=_FLAGS[raw_varlen.strip().lower()])
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -97,7 +97,7 @@ def _count(value: Any) -> bool:
 
 def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_tokens, max_model_len, num_blocks,
                   gpu_memory_utilization, random_seed, quantization="auto", batch_invariant=None,
-                  prefix_cache=None, speculative_tokens=None) -> None:
+                  prefix_cache=None, speculative_tokens=None, speculative_varlen=None) -> None:
     """Types and ranges of LLM's arguments, before anything is loaded."""
     _option("model", model, model is None or isinstance(model, (str, Path)), "a model directory path (str or Path) or None")
     _option("backend", backend, backend is None or isinstance(backend, str), "a target name or None")
@@ -125,6 +125,8 @@ def check_options(model, backend, dtype, tokenizer, max_num_seqs, max_prefill_to
         and 0 <= speculative_tokens <= MAX_DRAFT_TOKENS),
         f"an integer from 0 to {MAX_DRAFT_TOKENS} (draft tokens per decode step; 0 = plain decoding) or None "
         "($DEEPINFER_USE_NEXTN_DECODE, else 5 when the checkpoint has an MTP layer)")
+    _option("speculative_varlen", speculative_varlen, speculative_varlen is None or isinstance(speculative_varlen, bool),
+            "True, False or None ($DEEPINFER_ENABLE_MTP_VARLEN)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ConfigError(f"tokenizer file {str(tokenizer)!r} does not exist or is not a file; pass a tokenizer.json "
                           "path, or None for the model directory's own (else the V4 default)")

@@ -7,6 +7,9 @@ after each step that leaves a request with a new last token:
   prompt completed to its new token (not appended yet). Requests whose prefill completed get drafts.
 - `after_verify(live, streams, k)`: a verify step kept `n` rows from position `base` for each (request, base, n,
   first row) of `live` (their tokens are appended); `streams` are the step's rows' final residual streams.
+Each sets `Request.confidence` too: per draft, its estimated chance of acceptance given the drafts before it (the
+MTP layer: its softmax probability of the token it drafted; the oracle: its acceptance probability), which
+confidence-sized verification reads (`runtime/spec_budget.py`).
 
 `MTPDrafts`: the model's MTP layer (`model/mtp.py`). `OracleDrafts`: a benchmark and test source that proposes a
 known continuation of each request (the target's own greedy tokens) with each draft kept with probability p
@@ -77,20 +80,23 @@ class MTPDrafts:
         running the layer on its own output (tentatively: rolled back after) for the later ones."""
         device = streams.device
         drafts: list[list[int]] = [[] for _ in reqs]
+        confidence: list[list[float]] = [[] for _ in reqs]
         shares = [r.cache.draft for r in reqs]
         ends = [s.num_tokens for s in shares]
         for step in range(k):
             tokens = draws(reqs, logits, [p + step for p in first])
-            for d, t in zip(drafts, tokens.tolist()):
+            sure = torch.softmax(logits.float(), dim=-1).gather(1, tokens.view(-1, 1))[:, 0]
+            for d, c, t, p in zip(drafts, confidence, tokens.tolist(), sure.tolist()):
                 d.append(t)
+                c.append(p)
             if step == k - 1:
                 break
             positions = torch.tensor([p + step - 1 for p in first], device=device)
             logits, streams = self.drafter.forward(self.cache, streams, tokens, positions,
                                                    [(s, i, 1) for i, s in enumerate(shares)], None)
         rollback_chain(shares, ends)
-        for r, d in zip(reqs, drafts):
-            r.drafts = d
+        for r, d, c in zip(reqs, drafts, confidence):
+            r.drafts, r.confidence = d, c
 
 
 def draws(reqs: list[Request], logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -130,4 +136,4 @@ class OracleDrafts:
             if uniform(draw_seed(self.seed * 1_000_003 + r.index, pos)) >= self.accept:
                 token = (token + 1) % self.vocab  # a wrong guess
             drafts.append(token)
-        r.drafts = drafts
+        r.drafts, r.confidence = drafts, [self.accept] * k  # calibrated by construction

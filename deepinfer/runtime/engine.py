@@ -88,6 +88,8 @@ class Engine:
         for logits in self.steps.capture_all():
             if self.sampler is not None:
                 self.sampler.prepare(logits)
+        if self.speculator is not None:  # confidence-sized verification: each captured bucket's cost
+            self.speculator.profile()
 
     @property
     def graphs(self):

@@ -78,6 +78,10 @@ class DecodeGraphs:
             return []
         return [self._static(size).logits for size in sorted(self.buckets, reverse=True)]
 
+    def replays(self) -> dict[int, Callable[[], Any]]:
+        """Each captured bucket's replay, by rows (none where nothing is captured)."""
+        return {size: b.replay for size, b in self._graphs.items() if b.replay is not None}
+
     def _step(self, inputs: DecodeInputs):
         torch.index_select(self.cache.tables, 0, inputs.slots, out=inputs.blocks)
         return self.model.decode(self.cache, inputs, hidden=self.hidden)

@@ -31,6 +31,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first prefill chunk
     block_names: tuple[int, list[bytes]] | None = None  # (prefill length, its blocks' prefix-cache names)
     drafts: list[int] = field(default_factory=list)  # draft tokens for the positions after the last (speculative)
+    confidence: list[float] = field(default_factory=list)  # each draft's estimated acceptance, given those before
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ from deepinfer.model.rollback import check_tentative, commit
 from deepinfer.runtime.logprobs import StepLogprobs
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.sampler import Features, History, Seen, pack, select_tokens
+from deepinfer.runtime.spec_budget import StepCosts, verify_budget
 from deepinfer.serving.structured import apply_masks
 
 if TYPE_CHECKING:
@@ -76,8 +77,17 @@ class Speculator:
     """Verifies the drafts of a `drafts` source (`runtime/drafters.py`) with the target, for an `Engine` over
     `V4Steps`: `tokens` drafts per request and step at most."""
 
-    def __init__(self, steps, tokens: int, drafts):
+    def __init__(self, steps, tokens: int, drafts, varlen: bool = False):
+        """`varlen`: confidence-sized verification (`runtime/spec_budget.py`), else every draft is verified."""
         self.steps, self.model, self.cache, self.k, self.drafts = steps, steps.model, steps.cache, tokens, drafts
+        graphs = getattr(steps, "graphs", None)
+        self.costs = StepCosts(graphs.buckets if graphs is not None else (1,)) if varlen else None
+
+    def profile(self) -> None:
+        """Confidence-sized verification: time each captured verify bucket now (start-up)."""
+        graphs = getattr(self.steps, "graphs", None)
+        if self.costs is not None and graphs is not None:
+            self.costs.profile(graphs.replays())
 
     def after_prefill(self, chunks: list[tuple[Request, int, int, int]], streams: torch.Tensor,
                       sampled: dict[int, int]) -> None:
@@ -89,12 +99,16 @@ class Speculator:
     def decode(self, engine: Engine, reqs: list[Request], stats: RunStats) -> list[Request]:
         """Verify every request's drafts, append the tokens that stand, keep their cache rows, draft again.
         Returns the requests that finished."""
-        spec, device = stats.spec, self.model.device
+        spec, device, begin = stats.spec, self.model.device, time.perf_counter()
+        for r in reqs:
+            r.drafts = r.drafts[: self._room(engine, r)]
+        if self.costs is not None:  # confidence-sized: the drafts worth a place in this step, across the batch
+            for r, n in zip(reqs, verify_budget([r.confidence[: len(r.drafts)] for r in reqs], self.costs)):
+                r.drafts = r.drafts[:n]
         ids, positions, chunks, bases = [], [], [], []
         for r in reqs:
             base = r.num_tokens - 1
-            drafts = r.drafts[: self._room(engine, r)]
-            r.drafts = drafts
+            drafts = r.drafts
             chunks.append((r.cache, len(ids), 1 + len(drafts)))
             ids += [r.generated[-1], *drafts]
             positions += range(base, base + 1 + len(drafts))
@@ -115,6 +129,8 @@ class Speculator:
         spec.verify_tokens += len(ids)
         stats.decode_steps += 1
         kept, done = self._accept(engine, reqs, chunks, logits, stats)
+        if self.costs is not None:
+            self.costs.record(len(ids), time.perf_counter() - begin)
         for r, base, n in zip(reqs, bases, kept):
             commit(r.cache, base + n)
             spec.count(len(r.drafts), n - 1)
@@ -182,10 +198,11 @@ class Speculator:
 
 
 
-def speculator(steps, tokens: int) -> Speculator | None:
-    """The engine's speculator: `tokens` MTP drafts per request and step (None: plain decoding)."""
+def speculator(steps, tokens: int, varlen: bool = False) -> Speculator | None:
+    """The engine's speculator: up to `tokens` MTP drafts per request and step, all verified or (`varlen`) as many
+    as confidence-sized verification admits (None: plain decoding)."""
     if not tokens:
         return None
     from deepinfer.runtime.drafters import MTPDrafts
 
-    return Speculator(steps, tokens, MTPDrafts(steps.model, steps.cache))
+    return Speculator(steps, tokens, MTPDrafts(steps.model, steps.cache), varlen)

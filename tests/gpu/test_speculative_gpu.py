@@ -26,9 +26,9 @@ def model_dir(tmp_path_factory):
     return save_model_dir(tmp_path_factory.mktemp("gpu-spec") / "tiny-mtp", TINY_MTP, tensors)
 
 
-def prompts():
+def prompts(n: int = 4):
     g = torch.Generator().manual_seed(0)
-    return [{"token_ids": torch.randint(2, 512, (n,), generator=g).tolist()} for n in (200, 37, 140, 5)]
+    return [{"token_ids": torch.randint(2, 512, (m,), generator=g).tolist()} for m in (200, 37, 140, 5, 90, 64, 3, 250)[:n]]
 
 
 def signature(outs):
@@ -40,25 +40,26 @@ def swap_oracle(llm, reference, accept: float, k: int) -> None:
     llm.engine.speculator = Speculator(llm.engine.steps, k, drafts)
 
 
+@pytest.mark.parametrize("seqs, k", [(4, 4), (8, 5)])  # verify steps of up to 20 and 48 rows
 @pytest.mark.parametrize("invariant", [True, False])
-def test_speculative_equals_plain_decoding(model_dir, cuda, invariant):
-    kw = dict(backend="nvidia", dtype="bfloat16", max_num_seqs=4, prefix_cache="off", batch_invariant=invariant)
+def test_speculative_equals_plain_decoding(model_dir, cuda, invariant, seqs, k):
+    kw = dict(backend="nvidia", dtype="bfloat16", max_num_seqs=seqs, prefix_cache="off", batch_invariant=invariant)
     plain = deepinfer.LLM(model_dir, speculative_tokens=0, **kw)
-    spec = deepinfer.LLM(model_dir, speculative_tokens=4, **kw)
-    assert spec.engine.steps.graphs.capture is not None and spec.engine.steps.graphs.buckets[-1] == 20
+    spec = deepinfer.LLM(model_dir, speculative_tokens=k, **kw)
+    assert spec.engine.steps.graphs.capture is not None and spec.engine.steps.graphs.buckets[-1] == seqs * (k + 1)
     params = [SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True, logprobs=3 if invariant else None),
               SamplingParams(temperature=0.8, seed=5, max_new_tokens=48, ignore_eos=True)]
     for p in params:
-        want = plain.generate(prompts(), p)
-        got = spec.generate(prompts(), p)  # the MTP layer's drafts (random weights: mostly rejected)
+        want = plain.generate(prompts(seqs), p)
+        got = spec.generate(prompts(seqs), p)  # the MTP layer's drafts (random weights: mostly rejected)
         assert spec.last_stats.spec.steps > 0
         check = signature if invariant else (lambda outs: [o.token_ids for o in outs])
         assert check(got) == check(want)
-        swap_oracle(spec, want, 0.8, 4)
-        got = spec.generate(prompts(), p)
+        swap_oracle(spec, want, 0.8, k)
+        got = spec.generate(prompts(seqs), p)
         assert spec.last_stats.spec.accepted[0] > 0 and check(got) == check(want)
-        spec.engine.speculator = Speculator(spec.engine.steps, 4, type(spec.engine.speculator.drafts)(
+        spec.engine.speculator = Speculator(spec.engine.steps, k, type(spec.engine.speculator.drafts)(
             {i: o.token_ids for i, o in enumerate(want)}, 1.0, spec.config.vocab_size))
-        got = spec.generate(prompts(), p)
+        got = spec.generate(prompts(seqs), p)
         st = spec.last_stats.spec
         assert st.accepted == st.reached and check(got) == check(want)

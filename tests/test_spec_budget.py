@@ -1,0 +1,87 @@
+"""Confidence-sized verification's budget (runtime/spec_budget.py): hand-checked admissions, the stop at the first
+drop of expected tokens per second (where a search past it would admit more), prefixes kept on equal survivals,
+the step-cost table; and through the engine, sized verification gives plain decoding's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+import deepinfer
+from deepinfer.errors import ConfigError
+from deepinfer.runtime.drafters import OracleDrafts
+from deepinfer.runtime.sampling import SamplingParams
+from deepinfer.runtime.spec_budget import StepCosts, verify_budget
+from deepinfer.runtime.speculative import Speculator
+from tests.test_speculative import mtp_dir, plain, prompts  # noqa: F401 - fixtures
+
+
+def test_admissions_by_survival_checked_by_hand():
+    conf = [[0.9, 0.5], [0.6]]  # survivals 0.9, 0.45 | 0.6
+    # cost 1 + 0.1 rows: 2/1.2 -> +0.9: 2.9/1.3 -> +0.6: 3.5/1.4 -> +0.45: 3.95/1.5, each higher: all admitted
+    assert verify_budget(conf, lambda rows: 1 + 0.1 * rows) == [2, 1]
+    # cost 1 + 0.5 rows: 2/2 = 1 -> 2.9/2.5 = 1.16 -> 3.5/3 = 1.167 -> 3.95/3.5 = 1.129, a drop: the 0.45 stays out
+    assert verify_budget(conf, lambda rows: 1 + 0.5 * rows) == [1, 1]
+    assert verify_budget([[0.9, 0.9], []], lambda rows: 1.0) == [2, 0]
+    assert verify_budget([], lambda rows: 1.0) == []
+
+
+def test_admission_stops_at_the_first_drop():
+    """One request, four drafts of confidence 0.9; a step costs 1 up to 2 rows and 1.5 up to 5: admitting the second
+    draft drops the rate (2.71 / 1.5 < 1.9), though admitting all four would beat it (4.10 / 1.5): the budget
+    stops at the drop."""
+    cost = lambda rows: 1.0 if rows <= 2 else 1.5  # noqa: E731
+    assert verify_budget([[0.9] * 4], cost) == [1]
+    assert (1 + 0.9 + 0.81 + 0.729 + 0.6561) / 1.5 > 1.9  # what a search past the drop would have taken
+
+
+def test_equal_survivals_keep_each_request_a_prefix():
+    counts = verify_budget([[1.0, 1.0, 1.0], [1.0, 1.0], [0.0, 1.0]], lambda rows: 1.0)
+    assert counts == [3, 2, 0]  # zero confidence: nothing after it is worth a row either
+
+
+def test_step_costs_interpolate_between_measured_buckets():
+    costs = StepCosts((1, 2, 4, 8, 16))
+    assert costs(5) == 1.0  # nothing measured: flat
+    costs.record(2, 0.002)
+    assert costs(16) == 0.002  # one point: flat
+    costs.record(8, 0.008)
+    assert costs(3) == pytest.approx(0.004) and costs(16) == pytest.approx(0.016) and costs(7) == 0.008
+    costs.record(8, 0.018)  # an average of measured steps
+    assert costs(8) == pytest.approx(0.8 * 0.008 + 0.2 * 0.018)
+    profiled = StepCosts((1, 2, 4))
+    profiled.device = {1: 0.001, 2: 0.0012, 4: 0.002}  # replays timed at start
+    assert profiled(3) == 0.002
+    profiled.record(2, 0.0032)  # a measured step: 2 ms of host work beyond its replay
+    assert profiled(1) == pytest.approx(0.003) and profiled(4) == pytest.approx(0.004)
+
+
+def test_sized_verification_gives_plain_decodings_tokens(mtp_dir, plain):  # noqa: F811
+    reqs = prompts([9, 70, 140, 33])
+    params = [SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_new_tokens=30, ignore_eos=True)]
+    spec = deepinfer.LLM(mtp_dir, max_num_seqs=4, prefix_cache="off", speculative_varlen=True)
+    assert spec.engine.speculator.costs is not None
+    for p in params:
+        want = plain.generate(reqs, p, use_tqdm=False)
+        assert [o.token_ids for o in spec.generate(reqs, p, use_tqdm=False)] == [o.token_ids for o in want]
+        oracle = Speculator(spec.engine.steps, 5, OracleDrafts({i: o.token_ids for i, o in enumerate(want)}, 0.7,
+                                                               spec.config.vocab_size), varlen=True)
+        # a fixed cost table (no measured steps): rows cost enough that fewer than all drafts are worth a place
+        oracle.costs.device = {b: 1.0 + 0.05 * b for b in oracle.costs.buckets}
+        oracle.costs.record = lambda rows, seconds: None
+        spec.engine.speculator = oracle
+        got = spec.generate(reqs, p, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        st = spec.last_stats.spec
+        assert 0 < st.drafts < 5 * st.request_steps  # some drafts verified, not all
+
+
+def test_varlen_options(mtp_dir, monkeypatch):  # noqa: F811
+    with pytest.raises(ConfigError, match="speculative_varlen"):
+        deepinfer.LLM(mtp_dir, speculative_varlen="yes")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    assert deepinfer.LLM(mtp_dir).engine.speculator.costs is not None
+    assert deepinfer.LLM(mtp_dir, speculative_varlen=False).engine.speculator.costs is None
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "maybe")
+    with pytest.raises(ConfigError, match="DEEPINFER_ENABLE_MTP_VARLEN='maybe'"):
+        deepinfer.LLM(mtp_dir)
