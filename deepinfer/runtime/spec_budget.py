@@ -50,11 +50,14 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
 
 
 class StepCosts:
-    """Seconds of a verify step by graph bucket (`buckets`: the decode graphs' row counts). Where the graphs are
-    captured, each bucket's replay is timed at start (`profile`) and a step costs its bucket's replay plus the
-    host's share of a step (sampling, appending, drafting: the average of measured steps less their replay);
-    elsewhere a bucket costs the average of its measured steps, unmeasured buckets interpolated linearly in rows
-    (flat with one measured, constant with none: everything is admitted until a step has been measured)."""
+    """Seconds of a verify step by its rows. Where the decode graphs are captured, each bucket's replay is timed
+    at start (`profile`), and a step of r rows costs the replay time interpolated linearly at r between the
+    profiled bucket sizes, plus the host's share of a step (sampling, appending, drafting: the average of
+    measured steps less their replay). Elsewhere the average of measured steps by bucket, interpolated the same
+    way (flat with one bucket measured, constant with none: everything is admitted until a step is measured).
+
+    The interpolation is what lets the greedy admission cross a bucket: a padded bucket's whole cost would make
+    the first draft past it a drop every time (measured on the H200: no draft admitted at batch 32)."""
 
     def __init__(self, buckets: Sequence[int]):
         self.buckets = tuple(buckets)
@@ -75,22 +78,9 @@ class StepCosts:
         self.seconds[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def __call__(self, rows: int) -> float:
-        b = self.bucket(rows)
-        if b in self.device:
-            return self.device[b] + (self.host or 0.0)
-        if b in self.seconds:
-            return self.seconds[b]
-        known = sorted(self.seconds)
-        if not known:
-            return 1.0
-        if len(known) == 1:
-            return self.seconds[known[0]]
-        lo = max((k for k in known if k < b), default=known[0])
-        hi = min((k for k in known if k > b), default=known[-1])
-        if lo == hi:
-            lo, hi = (known[-2], known[-1]) if hi == known[-1] else (known[0], known[1])
-        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
-        return max(self.seconds[lo] + slope * (b - lo), 1e-6)
+        if self.device:
+            return _interpolate(self.device, rows) + (self.host or 0.0)
+        return _interpolate(self.seconds, rows) if self.seconds else 1.0
 
     def profile(self, replays: dict[int, Callable[[], object]], repeats: int = 5) -> None:
         """Time each captured bucket's replay (`DecodeGraphs.replays()`: padding rows only, scratch state)."""
@@ -102,3 +92,16 @@ class StepCosts:
                 replay()
             torch.accelerator.synchronize()
             self.device[size] = (time.perf_counter() - begin) / repeats
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    """Piecewise-linear through the (rows, seconds) points of `table`, extended by its end segments (flat with
+    one point)."""
+    keys = sorted(table)
+    if len(keys) == 1:
+        return table[keys[0]]
+    hi = next((k for k in keys if k >= x), keys[-1])
+    i = max(keys.index(hi), 1)
+    lo, hi = keys[i - 1], keys[i]
+    value = table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    return max(value, 1e-9)
