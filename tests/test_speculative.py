@@ -24,7 +24,7 @@ from deepinfer.tiny import TINY_CONFIG, random_tensors
 from tests.helpers import TINY_A, TINY_MTP, save_model_dir
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
-SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_new_tokens=30, ignore_eos=True),
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_new_tokens=30, ignore_eos=True, logprobs=2),
           SamplingParams(temperature=1.2, top_k=20, seed=12, presence_penalty=0.5, repetition_penalty=1.2,
                          max_new_tokens=30, ignore_eos=True),
           SamplingParams(temperature=0.7, seed=13, logit_bias={5: 2.0, 9: -3.0}, max_new_tokens=30, ignore_eos=True),
@@ -112,6 +112,10 @@ def test_seeded_outputs_equal_plain_alone_in_a_batch_and_at_any_draft_length(pla
         oracle(spec, want, accept, k, varied)
         got = spec.generate(reqs, SEEDED, use_tqdm=False)
         assert [o.token_ids for o in got] == [o.token_ids for o in want], (accept, k)
+        for a, b in zip(got[0].logprobs, want[0].logprobs):  # the rows' logprobs come back with their tokens
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert len(got[0].logprobs) == len(got[0].token_ids)
         alone = spec.generate(reqs[1], SEEDED[1], use_tqdm=False)[0]
         assert alone.token_ids == want[1].token_ids
 

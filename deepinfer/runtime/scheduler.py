@@ -100,7 +100,11 @@ class Scheduler:
         for r in list(decoding):
             if r not in self.running:
                 continue  # preempted while making room for an earlier request
-            while not self.cache.grow(r.cache, r.num_tokens + len(r.drafts)):  # drafts: verified in the step
+            # speculative drafts are verified in the step where blocks allow, but never preempt anyone
+            if r.drafts and not self.cache.grow(r.cache, min(r.num_tokens + len(r.drafts), self.max_len)):
+                held = len(r.cache.blocks) * self.cache.spec.block_tokens
+                r.drafts = r.drafts[: max(held - r.num_tokens, 0)]
+            while not self.cache.grow(r.cache, r.num_tokens):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is r:

@@ -160,21 +160,24 @@ class Speculator:
             tokens[index] = self._tokens(logits.index_select(0, index), [(reqs[i], j) for i in free
                                                                           for j in range(chunks[i][2])])
         host = tokens.tolist()
-        packed = asked.pack(tokens).tolist() if asked is not None else None
+
+        def logprobs() -> list:  # each row's logprobs entry (None where it did not ask), for the tokens so far
+            return asked.unpack(asked.pack(tokens).tolist(), host, len(host)) if asked is not None else [None] * len(host)
+
+        lps = logprobs()
         kept, done = [], []
         for r, (_, start, n) in zip(reqs, chunks):
             for j in range(n):
                 row = start + j
-                if r.constraint is not None:
+                if r.constraint is not None:  # masked after the tokens before it, so drawn one row at a time
                     begin = time.perf_counter()
                     apply_masks(logits[row : row + 1], [r.constraint], engine.grammars)
                     stats.mask_seconds += time.perf_counter() - begin
                     host[row] = int(self._tokens(logits[row : row + 1], [(r, 0)])[0])
                     tokens[row] = host[row]
-                    if asked is not None:
-                        packed = asked.pack(tokens).tolist()
-                lp = asked.unpack(packed, host, len(host))[row] if asked is not None else None
-                finished = engine._append([r], [host[row]], [lp])
+                    if r.params.logprobs is not None:
+                        lps = logprobs()
+                finished = engine._append([r], [host[row]], [lps[row]])
                 if finished or j == n - 1 or host[row] != r.drafts[j]:
                     kept.append(j + 1)
                     done += finished
@@ -195,7 +198,6 @@ class Speculator:
         packed = pack(params, [r.seed for r, _ in rows], [r.num_tokens + j for r, j in rows], logits.shape[-1],
                       logits.device)
         return select_tokens(logits, packed, seen, features)
-
 
 
 def speculator(steps, tokens: int, varlen: bool = False) -> Speculator | None:
