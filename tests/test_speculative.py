@@ -217,3 +217,20 @@ def test_options(mtp_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "x")
     with pytest.raises(ConfigError, match="DEEPINFER_USE_NEXTN_DECODE='x'"):
         deepinfer.LLM(mtp_dir)
+
+
+def test_prefix_hits_and_the_length_limit(mtp_dir):
+    """With the prefix cache (approximate hits prefill the window again) both runs hit the same blocks and give the
+    same tokens; near max_model_len the drafts are cut to the positions left."""
+    shared = prompts([300], seed=5)[0]["token_ids"]
+    reqs = [{"token_ids": shared + p["token_ids"]} for p in prompts([5, 40], seed=6)]
+    kw = dict(max_num_seqs=4, max_model_len=380)
+    runs = {k: deepinfer.LLM(mtp_dir, speculative_tokens=k, **kw) for k in (0, 5)}
+    params = SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
+    outs = {k: [llm.generate(reqs, params, use_tqdm=False) for _ in range(2)] for k, llm in runs.items()}
+    for turn in range(2):
+        assert [o.token_ids for o in outs[5][turn]] == [o.token_ids for o in outs[0][turn]]
+        assert [o.num_cached_tokens for o in outs[5][turn]] == [o.num_cached_tokens for o in outs[0][turn]]
+    assert outs[5][1][0].num_cached_tokens >= 256
+    assert [o.finish_reason for o in outs[5][0]] == ["length", "length"]
+    assert len(outs[5][0][1].token_ids) == 380 - 340  # the length limit, not max_new_tokens
