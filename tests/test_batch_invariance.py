@@ -99,9 +99,16 @@ def test_without_the_mode_the_reference_path_depends_on_the_batch():
 
 def test_c_kernels_give_the_same_bits_in_any_batch_chunking_or_step_kind(c_kernel_cache):
     """(Without the mode the c kernels differ too, batched against alone, from the attention's split count: not
-    asserted here for the suite's time; the reference path's test above shows these checks can fail.)"""
-    from tilekernels.kernels import kernel_table
+    asserted here for the suite's time; the reference path's test above shows these checks can fail.) The
+    kernels the checks launch (a meta trace at their row counts: prefills of 13 to 112 rows, decode steps of 1 and
+    3 sequences) are built first on two workers (`tests.helpers.prebuild_c`); the checks then load them built."""
+    from deepinfer.compile.plan import trace
+    from tests.helpers import prebuild_c
+    from tilekernels.kernels import Recorder, kernel_table
 
+    recorder = Recorder(invariant=True)
+    trace(ModelConfig.from_dict(TINY_A), "float32", recorder, (1, 3, 13, 32, 38, 45, 112), context=64)
+    prebuild_c(c_kernel_cache, list(recorder.seen))
     on = _checks(TINY_A, kernel_table("c", c_kernel_cache, invariant=True), TINY_A["vocab_size"])
     assert on == dict.fromkeys(("chunked", "batched", "decoded"), True)
 

@@ -11,8 +11,9 @@ is ODD_A's alone, with one GEMM shape per kind of ragged edge (`ASCEND_GEMMS`): 
 tiles are what tests/tilekernels/test_lowering.py lowers every kernel at (V4-Flash widths, Ascend included).
 The c target's set is ODD_A's alone too: the default model's float32 plan on c is built whole (lowered and
 compiled, every kernel or the script fails) by tests/codegen/test_workers.py's script without a main guard.
-The kernels are handed to the two worker processes one at a time, the slowest kinds first (Ascend lowers
-sparse attention's split kernel in ~15 s, most others in a few), so that neither worker idles at the end."""
+The kernels of all the targets are handed to one pair of worker processes (started once for the module) one at a
+time, Ascend's and the slowest kinds first (Ascend lowers sparse attention's split kernel in ~15 s, most others in
+a few), so that neither worker idles between targets or at the end."""
 
 from __future__ import annotations
 
@@ -73,14 +74,30 @@ def lower_all(name: str, items: list[tuple]) -> list[str]:
     return failed
 
 
-@pytest.mark.parametrize("name", backends.COMPILE_TARGETS)
-def test_every_planned_kernel_lowers(name):
+@pytest.fixture(scope="module")
+def failures(request) -> dict[str, list[str]]:
+    """Every selected target's kernels lowered by one pair of worker processes (lowering is single-threaded: CI's
+    two cores), one kernel at a time, Ascend's first and each target's slowest kinds first: the workers start
+    once for the module and neither idles between targets. The failures of each target, for its test to report."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
-    items = sorted(plans(backends.get(name).default_dtype, name), key=lambda item: SLOW.get(item[:2], len(SLOW)))
-    workers = max(1, min(2, os.cpu_count() or 1))  # lowering is single-threaded: use CI's two cores
+    from tests.helpers import selected
+
+    names = list(dict.fromkeys(selected(request, "name")))
+    work = sorted(((name, item) for name in names for item in plans(backends.get(name).default_dtype, name)),
+                  key=lambda w: (w[0] != "ascend", SLOW.get(w[1][:2], len(SLOW))))
+    workers = max(1, min(2, os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = [f for part in pool.map(lower_all, [name] * len(items), [[item] for item in items]) for f in part]
+        parts = pool.map(lower_all, [name for name, _ in work], [[item] for _, item in work])
+        found: dict[str, list[str]] = {name: [] for name in names}
+        for (name, _), part in zip(work, parts):
+            found[name].extend(part)
+    return found
+
+
+@pytest.mark.parametrize("name", backends.COMPILE_TARGETS)
+def test_every_planned_kernel_lowers(name, failures):
+    failed = failures[name]
     assert not failed, f"{len(failed)} kernel(s) do not lower for {name}:\n" + "\n".join(failed)
