@@ -76,7 +76,9 @@ def test_plan_covers_the_v4_flash_config_at_any_batch(dtype, quantized):
     (attention type x MLP type; a layer's kernels follow from its kind): what they launch is the whole
     config's plan, no more, no less (a kind the cut missed would miss kernels). 2 s where all 43 take 15."""
     cfg = flash_config(quantized)
-    cut = ModelConfig.from_dict({**cfg.raw, "num_hidden_layers": 5})
+    ratios = cfg.raw["compress_ratios"]  # cut too, keeping the MTP layer's slot (sliding) after the last layer
+    cut = ModelConfig.from_dict({**cfg.raw, "num_hidden_layers": 5,
+                                 "compress_ratios": ratios[:5] + ratios[cfg.num_hidden_layers:]})
     assert set(zip(cut.layer_types, cut.mlp_layer_types)) == set(zip(cfg.layer_types, cfg.mlp_layer_types))
     plan = set(flash_plan(quantized))
     recorder = Recorder()
