@@ -7,6 +7,7 @@ marginal); options and stats."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -234,3 +235,22 @@ def test_prefix_hits_and_the_length_limit(mtp_dir):
     assert outs[5][1][0].num_cached_tokens >= 256
     assert [o.finish_reason for o in outs[5][0]] == ["length", "length"]
     assert len(outs[5][0][1].token_ids) == 380 - 340  # the length limit, not max_new_tokens
+
+
+def test_cli_runs_speculatively_and_reports_acceptance(mtp_dir):
+    from click.testing import CliRunner
+
+    from deepinfer.cli import main
+
+    args = ["run", "offline", "--model", str(mtp_dir), "--token-ids", "5,6,7,8", "--token-ids", "9,10",
+            "--max-new-tokens", "12", "--temperature", "0", "--format", "jsonl"]
+    runs = {k: CliRunner().invoke(main, [*args, "--speculative-tokens", k], env={"DEEPINFER_HF_MODEL_DIR": ""})
+            for k in ("0", "3")}
+    assert all(r.exit_code == 0 for r in runs.values()), runs["3"].output
+    assert "speculative decoding 3 MTP drafts" in runs["3"].stderr and "speculative:" in runs["3"].stderr
+    assert "acceptance by draft position" in runs["3"].stderr and "speculative:" not in runs["0"].stderr
+    tokens = {k: sorted((json.loads(line)["index"], json.loads(line)["token_ids"])
+                        for line in r.stdout.splitlines() if line.startswith("{")) for k, r in runs.items()}
+    assert tokens["3"] == tokens["0"] and len(tokens["0"]) == 2
+    bad = CliRunner().invoke(main, [*args, "--speculative-tokens", "17"], env={"DEEPINFER_HF_MODEL_DIR": ""})
+    assert bad.exit_code == 2 and "--speculative-tokens" in bad.output
