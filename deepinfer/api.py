@@ -129,10 +129,11 @@ class LLM:
                                        env.swa_replay_tokens)
         drafts = speculative_request(speculative_tokens, env.nextn_decode, v41=v41, ranks=self.parallel.world,
                                      prefix=self.prefix_cache.mode)  # None: 5 where the model has an MTP layer
+        mtp = not v41 and cfg.has_mtp  # what the cache is sized for (the loaded layers decide in assemble_v4)
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
-                             prefix_cache=self.prefix_cache, draft_layers=int(drafts != 0 and not v41),
-                             lookahead=0 if v41 else DEFAULT_DRAFT_TOKENS if drafts is None else drafts)
+                             prefix_cache=self.prefix_cache, draft_layers=int(drafts != 0 and mtp),
+                             lookahead=(DEFAULT_DRAFT_TOKENS if drafts is None else drafts) if mtp else 0)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:

@@ -96,3 +96,30 @@ def test_varlen_options(mtp_dir, monkeypatch):  # noqa: F811
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "maybe")
     with pytest.raises(ConfigError, match="DEEPINFER_ENABLE_MTP_VARLEN='maybe'"):
         deepinfer.LLM(mtp_dir)
+
+
+def test_drafts_never_preempt_a_request():
+    """Three blocks of 4 positions: A's plain step fits its block, its two drafts would need a second one; B's
+    plain step needs a second block. B gets the free block; A's drafts are cut to what A holds (none)."""
+    from types import SimpleNamespace
+
+    from deepinfer.runtime.blocks import SlotBlocks
+    from deepinfer.runtime.cache_layout import CacheSpec
+    from deepinfer.runtime.scheduler import Scheduler, SchedulerConfig
+
+    cache = SlotBlocks(CacheSpec(num_blocks=3, max_seqs=2, max_blocks_per_seq=8, block_tokens=4))
+    scheduler = Scheduler(cache, SchedulerConfig(max_num_seqs=2), 32)
+    params = SamplingParams(max_new_tokens=20)
+    a, b = (SimpleNamespace(index=i, num_tokens=n, drafts=d, generated=[1], params=params, in_prefill=False,
+                            preemptions=0, cache=cache.admit()) for i, n, d in ((0, 4, [7, 7]), (1, 5, [])))
+    for r in (a, b):
+        cache.grow(r.cache, 4)
+        scheduler.running.append(r)
+    step = scheduler.next_step()
+    assert step.requests == (a, b) and scheduler.preemptions == 0 and a.drafts == []
+    assert len(b.cache.blocks) == 2 and len(a.cache.blocks) == 1
+    cache.release(b.cache)  # B leaves: its blocks are free again
+    scheduler.running.remove(b)
+    a.drafts = [7, 7]
+    scheduler.next_step()
+    assert a.drafts == [7, 7] and len(a.cache.blocks) == 2  # a free block: the drafts take it

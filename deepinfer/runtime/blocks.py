@@ -82,6 +82,11 @@ class SlotBlocks:
         return len(self._free_blocks) + (len(self.prefix.idle) if self.prefix is not None else 0)
 
     @property
+    def unused_blocks(self) -> int:
+        """Blocks no sequence references and no cached prefix holds (taking one evicts nothing)."""
+        return len(self._free_blocks)
+
+    @property
     def used_blocks(self) -> int:
         """Blocks some sequence references."""
         return self.spec.num_blocks - self.free_blocks

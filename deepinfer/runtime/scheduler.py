@@ -100,16 +100,27 @@ class Scheduler:
         for r in list(decoding):
             if r not in self.running:
                 continue  # preempted while making room for an earlier request
-            # speculative drafts are verified in the step where blocks allow, but never preempt anyone
-            if r.drafts and not self.cache.grow(r.cache, min(r.num_tokens + len(r.drafts), self.max_len)):
-                held = len(r.cache.blocks) * self.cache.spec.block_tokens
-                r.drafts = r.drafts[: max(held - r.num_tokens, 0)]
             while not self.cache.grow(r.cache, r.num_tokens):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is r:
                     break
-        return DecodeStep(tuple(r for r in decoding if r in self.running))
+        step = tuple(r for r in decoding if r in self.running)
+        for r in step:
+            self._room_for_drafts(r)
+        return DecodeStep(step)
+
+    def _room_for_drafts(self, req: Request) -> None:
+        """Speculative decoding: the request's drafts cut to the positions its length limits leave and its blocks
+        hold, growing them only from blocks nobody holds (drafts never preempt a request or evict a cached
+        prefix)."""
+        room = min(req.params.max_new_tokens - len(req.generated), self.max_len - req.num_tokens) - 1
+        drafts = req.drafts[: max(room, 0)]
+        want = self.cache.blocks_for(req.num_tokens + len(drafts)) - len(req.cache.blocks)
+        if drafts and 0 < want <= self.cache.unused_blocks:
+            self.cache.grow(req.cache, req.num_tokens + len(drafts))
+        held = len(req.cache.blocks) * self.cache.spec.block_tokens
+        req.drafts = drafts[: max(held - req.num_tokens, 0)]
 
     def _admits_after(self, requests: list[Request]) -> bool:
         """Whether `next_step` would admit the first waiting request once the running requests not in `requests`

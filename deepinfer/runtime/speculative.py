@@ -100,8 +100,7 @@ class Speculator:
         """Verify every request's drafts, append the tokens that stand, keep their cache rows, draft again.
         Returns the requests that finished."""
         spec, device, begin = stats.spec, self.model.device, time.perf_counter()
-        for r in reqs:
-            r.drafts = r.drafts[: self._room(engine, r)]
+        # (the scheduler has cut each request's drafts to its length limits and the blocks it holds)
         if self.costs is not None:  # confidence-sized: the drafts worth a place in this step, across the batch
             for r, n in zip(reqs, verify_budget([r.confidence[: len(r.drafts)] for r in reqs], self.costs)):
                 r.drafts = r.drafts[:n]
@@ -128,28 +127,23 @@ class Speculator:
         spec.steps += 1
         spec.verify_tokens += len(ids)
         stats.decode_steps += 1
-        kept, done = self._accept(engine, reqs, chunks, logits, stats)
-        if self.costs is not None:
-            self.costs.record(len(ids), time.perf_counter() - begin)
-        for r, base, n in zip(reqs, bases, kept):
+        kept, accepted, done = self._accept(engine, reqs, chunks, logits, stats)
+        for r, base, n, a in zip(reqs, bases, kept, accepted):
             commit(r.cache, base + n)
-            spec.count(len(r.drafts), n - 1)
+            spec.count(len(r.drafts), a)
         stats.decode_tokens += sum(kept)
         ended = {id(r) for r in done}
         live = [(r, base, n, start) for r, base, n, (_, start, _) in zip(reqs, bases, kept, chunks)
                 if id(r) not in ended]
         if live:
             self.drafts.after_verify(live, streams, self.k)
+        if self.costs is not None:  # the whole step: verify, sampling, appending and drafting
+            self.costs.record(len(ids), time.perf_counter() - begin)
         return done
-
-    def _room(self, engine: Engine, r: Request) -> int:
-        """Drafts worth verifying: no position past the length limits."""
-        left = min(r.params.max_new_tokens - len(r.generated), engine.max_len - r.num_tokens)
-        return max(0, min(self.k, left - 1))
 
     def _accept(self, engine: Engine, reqs: list[Request], chunks, logits: torch.Tensor, stats: RunStats):
         """Each request's tokens row by row until one differs from its draft (or the request finishes): how many
-        each appended, and the requests that finished."""
+        each appended, how many of its drafts stood, and the requests that finished."""
         params = [r.params for r, (_, _, n) in zip(reqs, chunks) for _ in range(n)]
         asked = StepLogprobs.of(logits, params)
         free = [i for i, r in enumerate(reqs) if r.constraint is None]
@@ -165,7 +159,7 @@ class Speculator:
             return asked.unpack(asked.pack(tokens).tolist(), host, len(host)) if asked is not None else [None] * len(host)
 
         lps = logprobs()
-        kept, done = [], []
+        kept, accepted, done = [], [], []
         for r, (_, start, n) in zip(reqs, chunks):
             for j in range(n):
                 row = start + j
@@ -178,11 +172,13 @@ class Speculator:
                     if r.params.logprobs is not None:
                         lps = logprobs()
                 finished = engine._append([r], [host[row]], [lps[row]])
-                if finished or j == n - 1 or host[row] != r.drafts[j]:
+                stood = j < n - 1 and host[row] == r.drafts[j]
+                if finished or not stood:
                     kept.append(j + 1)
+                    accepted.append(j + stood)  # a request ending on a row whose draft stood counts it
                     done += finished
                     break
-        return kept, done
+        return kept, accepted, done
 
     def _tokens(self, logits: torch.Tensor, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """The target's token for each (request, draft index) row, drawn as plain decoding draws it at that
