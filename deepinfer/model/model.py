@@ -37,7 +37,8 @@ class DeepseekV4:
         self.expert_shard = self._experts = parallel.experts if parallel is not None else None
         heads = parallel.attention_cfg if parallel is not None else cfg
         device = weights.embed.device
-        main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device), cfg.rope_main.attention_factor)
+        self.main_rope = main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device),
+                                           cfg.rope_main.attention_factor)  # sliding layers' (and the MTP layer's)
         comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device), cfg.rope_compress.attention_factor)
         self._attn_ctx = [
             AttentionContext(heads, ops, i, main if kind == SLIDING else comp, comp)

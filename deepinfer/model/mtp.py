@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
-from deepinfer.model.compressor import RopeTables
 from deepinfer.model.moe import moe
 from deepinfer.model.rollback import commit
-from deepinfer.model.rope import inv_freq
 from deepinfer.runtime.cache import PagedCache, SeqCache
 
 if TYPE_CHECKING:
@@ -38,9 +36,8 @@ class MTPDrafter:
     def __init__(self, model: DeepseekV4):
         if not model.weights.mtp:
             raise ValueError("the model has no MTP layer loaded (ModelWeights.mtp is empty)")
-        cfg = model.cfg
+        cfg, rope = model.cfg, model.main_rope
         self.model, self.w = model, model.weights.mtp[0]
-        rope = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(model.device), cfg.rope_main.attention_factor)
         self.ctx = AttentionContext(cfg, model.ops, cfg.num_hidden_layers, rope, rope)  # sliding: no compressor
 
     @torch.inference_mode()
