@@ -29,6 +29,7 @@ import datetime
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,11 +47,20 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def build(name: str, top: int, positions: int, lookahead: int, invariant: bool = False):
+# The slice's DSpark drafter (`--drafter dspark`): V4-Flash-DSpark's block size, noise token and Markov rank; it
+# reads the slice's last three layers as the released one reads V4-Flash's last three (40, 41, 42); its experts
+# (not public for V4-Flash) as V4.1-Flash's drafter has them: 128, top 3.
+DSPARK_SLICE = {"num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+                "dspark_target_layer_ids": [1, 2, 3], "dspark_markov_rank": 256, "dspark_n_routed_experts": 128,
+                "dspark_num_experts_per_tok": 3}
+
+
+def build(name: str, top: int, positions: int, lookahead: int, invariant: bool = False, drafter: str = "oracle"):
     """An LLM (the embedded tiny model: tokenizer, grammars, request handling) whose engine runs `name`'s model
-    (slice: V4-Flash slice, random bf16 weights without the MTP tensors, CUDA graphs; tiny: the LLM's own model,
-    eager on the CPU) over a cache for `top` requests of `positions` positions; returns (llm, engine, vocab,
-    device). `lookahead`: the verify rows a step may write past those it keeps (where `CacheSpec` takes it)."""
+    (slice: V4-Flash slice, random bf16 weights, CUDA graphs; tiny: the LLM's own model, eager on the CPU) over a
+    cache for `top` requests of `positions` positions; returns (llm, engine, vocab, device). `lookahead`: the
+    verify rows a step may write past those it keeps (where `CacheSpec` takes it). `drafter` (slice): "oracle"
+    (no drafter weights), "mtp" (the slice's MTP layer) or "dspark" (`DSPARK_SLICE`) loaded and given its rings."""
     import deepinfer
     from deepinfer.runtime.cache import CacheSpec, PagedCache
     from deepinfer.runtime.engine import Engine
@@ -67,9 +77,11 @@ def build(name: str, top: int, positions: int, lookahead: int, invariant: bool =
         from deepinfer.model.weights import ModelWeights
         from deepinfer.tiny import random_tensors
 
-        cfg, dtype, device = ModelConfig.from_model_dir(bench.SLICE), torch.bfloat16, "cuda"
+        raw = json.loads((bench.SLICE / "config.json").read_text())
+        cfg = ModelConfig.from_dict(dict(raw, **DSPARK_SLICE) if drafter == "dspark" else raw)
+        dtype, device = torch.bfloat16, "cuda"
         tensors = {k: t for k, t in random_tensors(cfg, seed=0, dtype=dtype, device=device).items()
-                   if not k.startswith("mtp.")}  # the oracle drafts, not the MTP layer (~25% of the memory)
+                   if drafter != "oracle" or not k.startswith("mtp.")}  # oracle: no drafter (~25% of the memory)
         torch.cuda.empty_cache()
         model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, tensors), llm.backend.ops)
         label = torch.cuda.get_device_name()
@@ -78,13 +90,36 @@ def build(name: str, top: int, positions: int, lookahead: int, invariant: bool =
         label = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     per_seq = -(-positions // 128)
     cache = PagedCache(cfg, CacheSpec(num_blocks=top * per_seq, max_seqs=top, max_blocks_per_seq=per_seq,
-                                      lookahead=lookahead), dtype, device)
+                                      lookahead=lookahead, draft_layers=model.weights.draft_layers), dtype, device)
     # graphs for up to top x (1 + lookahead) rows: a verify step's rows replay them as plain decode steps do
-    steps = V4Steps(model, cache, DecodeGraphs(model, cache, top * (1 + lookahead), llm.backend.capture))
+    steps = V4Steps(model, cache, DecodeGraphs(model, cache, top * (1 + lookahead), llm.backend.capture,
+                                               hidden=drafter != "oracle"))
     engine = Engine(steps, cache, SchedulerConfig(top, 2048, True), llm.grammars)
     engine.capture_all()
     llm.cache, llm.engine = cache, engine
     return llm, engine, cfg.vocab_size, label
+
+
+class Costed:
+    """A drafter's work (its cost: it reads every step and drafts) with the oracle's drafts (acceptance set from
+    outside); `seconds`: the drafter's time (the device synchronized around each call)."""
+
+    def __init__(self, drafter, oracle):
+        self.drafter, self.oracle, self.seconds, self.calls = drafter, oracle, 0.0, 0
+
+    def _timed(self, method: str, *args) -> None:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        begin = time.perf_counter()
+        getattr(self.drafter, method)(*args)
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        self.seconds, self.calls = self.seconds + time.perf_counter() - begin, self.calls + 1
+        getattr(self.oracle, method)(*args)
+
+    def after_prefill(self, *args) -> None:
+        self._timed("after_prefill", *args)
+
+    def after_verify(self, *args) -> None:
+        self._timed("after_verify", *args)
 
 
 def run(llm, items, params, reference=None):
@@ -122,6 +157,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid where not given: batches 1,4, "
                         "accept 0.8, k 1,3, cost k 0,2,4, 32-token prompts and outputs")
     parser.add_argument("--batch-invariant", action="store_true", help="batch-invariant kernels for both runs")
+    parser.add_argument("--drafter", choices=("oracle", "mtp", "dspark"), default="oracle",
+                        help="slice: also run this drafter every step (its cost counted; the oracle's drafts used)")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", default=None)
     parser.add_argument("--render", default=None, help="print the tables of a results JSON file and exit")
@@ -143,14 +180,20 @@ def main() -> None:
     from deepinfer.runtime.sampling import SamplingParams
     from deepinfer.runtime.speculative import Speculator
 
+    if args.drafter != "oracle" and args.model != "slice":
+        parser.error(f"--drafter {args.drafter} runs on --model slice (the embedded tiny model has no drafter)")
+    from deepinfer.runtime.drafters import DSparkDrafts, MTPDrafts
+
     batches, accepts, ks, cost_ks = ints(args.batches), floats(args.accepts), ints(args.ks), ints(args.cost_ks)
     top = max(batches)
     llm, engine, vocab, device = build(args.model, top, args.prompt_tokens + args.new_tokens + 1,
-                                       max(ks + cost_ks), args.batch_invariant)
-    model_name = {"slice": "V4-Flash slice (random bf16 weights, CUDA graphs for plain decode steps)",
+                                       max(ks + cost_ks), args.batch_invariant, args.drafter)
+    model_name = {"slice": f"V4-Flash slice (random bf16 weights, CUDA graphs for plain decode steps), drafts: "
+                           f"{'oracle' if args.drafter == 'oracle' else f'oracle, {args.drafter} drafter run (cost)'}",
                   "tiny": "embedded tiny model (reference backend, CPU, eager)"}[args.model]
     results = {"device": device, "date": str(datetime.date.today()), "commit": args.commit, "model": args.model,
-               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "speed": [], "cost": []}
+               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "speed": [], "cost": [],
+               "drafter": args.drafter}
     header = (f"# {device} | {results['date']} | commit {args.commit} | {model_name} | {args.prompt_tokens}-token "
               f"prompts, {args.new_tokens} new tokens, greedy")
     print(header, file=sys.stderr, flush=True)
@@ -166,34 +209,39 @@ def main() -> None:
         continuations = {i: o.token_ids for i, o in enumerate(reference)}
 
         def speculative(k: int, accept: float, varlen: bool = False):
-            engine.speculator = Speculator(engine.steps, k, OracleDrafts(continuations, accept, vocab), varlen)
+            source = OracleDrafts(continuations, accept, vocab)
+            if args.drafter != "oracle":
+                kind = DSparkDrafts if args.drafter == "dspark" else MTPDrafts
+                source = Costed(kind(engine.steps.model, engine.cache), source)
+            engine.speculator = Speculator(engine.steps, k, source, varlen)
             engine.speculator.profile()  # sized verification: each captured bucket's cost
             try:
                 _, s, bad = run(llm, items, [params] * batch, reference)
             finally:
                 engine.speculator = None
-            return s, bad
+            return s, bad, 1e3 * source.seconds / max(source.calls, 1) if args.drafter != "oracle" else 0.0
 
         for accept in accepts:
             for k in ks + ["sized"]:
-                s, bad = speculative(max(ks), accept, True) if k == "sized" else speculative(k, accept)
+                s, bad, ms = speculative(max(ks), accept, True) if k == "sized" else speculative(k, accept)
                 sp = s.spec
                 row = {"batch": batch, "accept": accept, "k": k, "plain_tok_s": tok_s(st), "spec_tok_s": tok_s(s),
                        "speedup": tok_s(s) / tok_s(st) if tok_s(st) else 0.0, "acceptance": sp.acceptance,
                        "tokens_per_request_step": sp.mean_accepted,
                        "verify_tokens_per_step": sp.verify_tokens / max(sp.steps, 1), "spec_steps": sp.steps,
                        "plain_steps": st.decode_steps, "mismatched_requests": bad,
-                       "generated_tokens": s.generated_tokens}
+                       "generated_tokens": s.generated_tokens, "draft_ms": ms}
                 speed.append(row)
                 print(f"  batch {batch} accept {accept} k {k}: {row['spec_tok_s']:.1f} tok/s "
                       f"({row['speedup']:.2f}x), {bad} mismatched", file=sys.stderr, flush=True)
         for k in cost_ks:
-            s, bad = speculative(k, 1.0)
+            s, bad, ms = speculative(k, 1.0)
             sp = s.spec
             row = {"batch": batch, "k": k, "plain_step_ms": step_ms(st), "step_ms": step_ms(s),
                    "verified_per_request": sp.verify_tokens / max(sp.steps * batch, 1),
                    "ms_per_verified_token": 1e3 * s.decode_seconds / max(sp.verify_tokens, 1),
-                   "spec_tok_s": tok_s(s), "plain_tok_s": tok_s(st), "mismatched_requests": bad}
+                   "spec_tok_s": tok_s(s), "plain_tok_s": tok_s(st), "mismatched_requests": bad,
+                   "draft_ms": ms}
             cost.append(row)
             print(f"  batch {batch} cost k {k}: {row['step_ms']:.3f} ms/step", file=sys.stderr, flush=True)
         results["speed"], results["cost"] = speed, cost
@@ -209,14 +257,14 @@ def render(results: dict, header: str) -> None:
 
     print("\n## Speculative against plain decoding (oracle drafts)\n")
     print("| batch | accept | k (sized: confidence-sized, up to the largest k) | plain tok/s | spec tok/s | speedup | acceptance by position | tokens / request-step "
-          "| verify tokens / step | steps spec / plain | mismatched requests |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| verify tokens / step | steps spec / plain | mismatched requests | drafter ms / call |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in speed:
         per = "/".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
         print(f"| {r['batch']} | {r['accept']} | {r['k']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
               f"{r['speedup']:.2f}x | {per} | {r['tokens_per_request_step']:.2f} | "
               f"{r['verify_tokens_per_step']:.1f} | {r['spec_steps']} / {r['plain_steps']} | "
-              f"{r['mismatched_requests']} |")
+              f"{r['mismatched_requests']} | {r.get('draft_ms', 0.0):.3f} |")
     print("\nacceptance by position i: accepted / verified drafts at draft position i whose drafts before it were "
           "all accepted (about `accept`); tokens / request-step: accepted drafts + the target's own token")
     print("\n## Verify step cost by verified tokens per request (accept = 1.0; k = 0: the verify path, no drafts)\n")

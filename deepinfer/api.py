@@ -132,7 +132,8 @@ class LLM:
         mtp = not v41 and cfg.has_mtp  # what the cache is sized for (the loaded layers decide in assemble_v4)
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
-                             prefix_cache=self.prefix_cache, draft_layers=int(drafts != 0 and mtp),
+                             prefix_cache=self.prefix_cache,
+                             draft_layers=(cfg.num_nextn_predict_layers if cfg.dspark else 1) if drafts != 0 and mtp else 0,
                              lookahead=(DEFAULT_DRAFT_TOKENS if drafts is None else drafts) if mtp else 0)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
@@ -145,8 +146,9 @@ class LLM:
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
-        self.speculative_tokens = draft_tokens(drafts, speculative_tokens is not None, len(getattr(
-            self.model.weights, "mtp", ())) if not v41 else 0, str(self.model_dir or "the tiny random model"))
+        self.speculative_tokens = draft_tokens(drafts, speculative_tokens is not None, 0 if v41 else
+                                               self.model.weights.draft_layers, str(self.model_dir or "the tiny "
+                                               "random model"), cfg.dspark.block_size if mtp and cfg.dspark else 0)
         self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens, async_scheduling),
                              self.grammars, max_len=self.max_model_len, speculator=speculator(
                                  built.steps, self.speculative_tokens,
@@ -169,7 +171,8 @@ class LLM:
         line = (f"model {self.model_dir or 'tiny-random'} ({self.config.num_hidden_layers} layers, {self.model.dtype}), "
                 f"tokenizer {self.recipe.path} ({self.recipe.encoding_name} encoding), backend {self.backend.name} "
                 f"({ops}), cache {spec.num_blocks} blocks x {spec.block_tokens} positions, max {self.engine.max_len} "
-                f"per sequence, prefix cache {prefix}" + (f", speculative decoding {self.speculative_tokens} MTP drafts"
+                f"per sequence, prefix cache {prefix}" + (f", speculative decoding {self.speculative_tokens} "
+                                                          f"{'DSpark' if self.config.dspark else 'MTP'} drafts"
                                                           if self.speculative_tokens else "") + f"; {self.memory_report}")
         if self._comm is not None:
             from deepinfer.parallel.ranks import describe

@@ -150,10 +150,10 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     del tensors, weights
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
     ready_kernels(backend, cfg, dtype, env, opts, clock)
-    ahead = opts.lookahead if model.weights.mtp else 0  # speculative decoding: draft rows a verify step may drop
+    ahead = opts.lookahead if model.weights.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
                                        opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots,
-                                       draft_layers=min(opts.draft_layers, len(model.weights.mtp)), lookahead=ahead),
+                                       draft_layers=min(opts.draft_layers, model.weights.draft_layers), lookahead=ahead),
                        dtype, device)
     cache.enable_prefix(opts.prefix_cache, cache.salt())
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepinfer.config_dspark import DSparkConfig, dspark_from_hf
 from deepinfer.errors import ConfigError
 
 SLIDING = "sliding_attention"
@@ -76,6 +77,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: str = "bfloat16"
     num_nextn_predict_layers: int = 0
+    dspark: DSparkConfig | None = None  # DSpark block drafting (its blocks are the mtp.* layers)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------------
@@ -225,14 +227,12 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         )
     rope_main, rope_compress = _rope(raw, source)
 
-    scoring = _get(raw, "scoring_func")
-    if scoring not in SCORING_FUNCS:
+    if (scoring := _get(raw, "scoring_func")) not in SCORING_FUNCS:
         raise ConfigError(f"{source}: scoring_func {scoring!r} is not supported; accepted: {', '.join(SCORING_FUNCS)}")
 
     vocab = _int(raw, "vocab_size", source)
     eos = _get(raw, "eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    if not eos_ids or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab for e in eos_ids):
+    if not (eos_ids := tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)) or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab for e in eos_ids):
         raise ConfigError(f"{source}: eos_token_id must be a token id or a list of token ids in [0, vocab_size="
                           f"{vocab}), got {eos!r}")
     bos = raw.get("bos_token_id", 0)
@@ -241,8 +241,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     tie = raw.get("tie_word_embeddings", False)
     if tie is not None and not isinstance(tie, bool):
         raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
-    positions = _int(raw, "max_position_embeddings", source)
-    if positions > MAX_POSITIONS:
+    if (positions := _int(raw, "max_position_embeddings", source)) > MAX_POSITIONS:
         raise ConfigError(f"{source}: max_position_embeddings={positions} is beyond {MAX_POSITIONS}")
     dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     if not isinstance(dtype_name, str):
@@ -282,7 +281,9 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=eos_ids,
         dtype=dtype_name,
-        num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", source, minimum=0),
+        num_nextn_predict_layers=(drafts := _int(raw, "num_nextn_predict_layers", source, minimum=0)),
+        dspark=dspark_from_hf(raw, n_layers, drafts, _get(raw, "n_routed_experts"), _get(raw, "num_experts_per_tok"),
+                              vocab, source),
         raw=raw,
     )
     _check_consistency(cfg, source)

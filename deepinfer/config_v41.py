@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import ROPE_TYPES, ModelConfig, RopeConfig
+from deepinfer.config_dspark import DSparkConfig
 from deepinfer.errors import ConfigError
 
 RATIOS = (0, 1, 2)
@@ -43,16 +44,6 @@ class EngramConfig:
     head_dim: int
     pad_id: int
     compressed_vocab_size: int  # normalized token classes
-
-
-@dataclass(frozen=True)
-class DSparkConfig:
-    block_size: int
-    noise_token_id: int
-    target_layer_ids: tuple[int, ...]
-    markov_rank: int
-    n_routed_experts: int
-    num_experts_per_tok: int
 
 
 @dataclass(frozen=True)

@@ -175,11 +175,17 @@ def speculative_request(explicit: int | None, env_value: int | None, *, v41: boo
     return 0
 
 
-def draft_tokens(requested: int | None, explicit: bool, mtp_layers: int, model: str) -> int:
-    """Draft tokens per step for a model with `mtp_layers` MTP layers loaded: `requested`, or 5 (None) when it has
-    one; a ConfigError for an explicit K > 0 on a model without."""
+def draft_tokens(requested: int | None, explicit: bool, mtp_layers: int, model: str, block: int = 0) -> int:
+    """Draft tokens per step for a model with `mtp_layers` draft layers loaded: `requested`, or 5 (None) when it has
+    them; a ConfigError for an explicit K > 0 on a model without. `block`: DSpark's block size (its one pass
+    drafts that many: the default is cut to it, a larger K is a ConfigError)."""
     if mtp_layers:
-        return DEFAULT_DRAFT_TOKENS if requested is None else requested
+        if requested is None:
+            return min(DEFAULT_DRAFT_TOKENS, block or DEFAULT_DRAFT_TOKENS)
+        if block and requested > block:
+            raise ConfigError(f"speculative_tokens={requested}: {model} drafts with DSpark blocks of "
+                              f"dspark_block_size={block} tokens; pass at most {block}")
+        return requested
     if explicit and requested:
         raise ConfigError(f"speculative_tokens={requested}: {model} has no MTP layer to draft with (no mtp.* "
                           "tensors, or num_nextn_predict_layers 0 in its config.json); pass 0 or leave it unset")

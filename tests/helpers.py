@@ -31,6 +31,10 @@ TINY_B: dict[str, Any] = dict(
 )
 # TINY_A with one MTP (nextn) draft layer, as V4-Flash lists it: its compress_ratios slot after the last layer, 0.
 TINY_MTP: dict[str, Any] = dict(TINY_A, num_nextn_predict_layers=1, compress_ratios=[0, 4, 128, 4, 128, 0])
+# TINY_A with DSpark block drafting: two draft blocks (their own 4 experts, top 2) reading layers 1, 3 and 4.
+TINY_DSPARK: dict[str, Any] = dict(TINY_A, num_nextn_predict_layers=2, compress_ratios=[0, 4, 128, 4, 128, 0, 0],
+                                   dspark_block_size=4, dspark_noise_token_id=7, dspark_target_layer_ids=[1, 3, 4],
+                                   dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
 
 
 def hf_config(raw: dict[str, Any]):

@@ -54,25 +54,32 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
           quantized: bool | None = None) -> None:
     """Run, on meta tensors, a prefill of n tokens and a decode step of n sequences (each `context` positions
     deep) for every n in `rows`, launching kernels through `launcher`; with MTP layers in the config, the first
-    one's pass over the n prefilled rows too (speculative decoding's drafter)."""
+    one's pass over the n prefilled rows too (speculative decoding's drafter); with DSpark, its read of the n
+    rows and a draft pass for n requests."""
     from deepinfer.model.decode import DecodeInputs
     from deepinfer.model.model import DeepseekV4
+    from deepinfer.model.dspark import DSparkDrafter
     from deepinfer.model.mtp import MTPDrafter, draft_share
     from deepinfer.runtime.cache import CacheSpec, PagedCache
     from tilekernels.kernels import table
 
     model = DeepseekV4(cfg, meta_weights(cfg, torch_dtype(dtype), quantized), table(launcher))
     drafter = MTPDrafter(model) if model.weights.mtp else None
+    dspark = DSparkDrafter(model) if model.weights.dspark is not None else None
     for n in rows:
         per_seq = -(-max(n, context + 1) // 128)
         cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq,
-                                          draft_layers=int(drafter is not None)), DTYPES[dtype], META)
+                                          draft_layers=model.weights.draft_layers), DTYPES[dtype], META)
         seq = cache.admit()
         cache.grow(seq, n)
         ids = torch.zeros(n, dtype=torch.long, device=META)
         _, streams = model.prefill(cache, ids, ids, [(seq, 0, n)], hidden=True)
         if drafter is not None:
             drafter.forward(cache, streams, ids, ids, [(draft_share(seq, 0), 0, n)], ids)
+        if dspark is not None:
+            share = draft_share(seq, 0)
+            dspark.read(cache, streams, ids, [(share, 0, n)])
+            dspark.draft(cache, ids, ids, [share] * n, lambda logits, i: logits.argmax(dim=-1))
         step = DecodeInputs(
             ids=torch.zeros(n, dtype=torch.long, device=META),
             positions=torch.zeros(n, dtype=torch.long, device=META),

@@ -36,6 +36,8 @@ class DeepseekV4:
         self._attention_sum = parallel.attention_sum if parallel is not None else None
         self.expert_shard = self._experts = parallel.experts if parallel is not None else None
         heads = parallel.attention_cfg if parallel is not None else cfg
+        # DSpark drafting reads the input streams of these layers (mean over the mHC copies), concatenated
+        self.taps = cfg.dspark.target_layer_ids if weights.dspark is not None else ()
         device = weights.embed.device
         self.main_rope = main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device),
                                            cfg.rope_main.attention_factor)  # sliding layers' (and the MTP layer's)
@@ -77,16 +79,17 @@ class DeepseekV4:
             p = project(ctx, w, x, rotated)
             return self._gathered(finish(ctx, w, prefill_core(ctx, w, p, positions, seqs, cache.layers[layer]), rotated))
 
-        streams = self.blocks(ids, attend)
+        taps = [] if hidden else None
+        streams = self.blocks(ids, attend, taps)
         logits = self.head(streams, logit_rows)
         for seq, _, length in seqs:
             seq.num_tokens += length
-        return (logits, streams) if hidden else logits
+        return (logits, torch.cat(taps, dim=-1) if taps else streams) if hidden else logits
 
     @torch.inference_mode()
     def decode(self, cache: PagedCache, inp: DecodeInputs, hidden: bool = False):
         """One token per row (static shapes; the caller advances token counts). Returns fp32 logits [B, V] (and with
-        `hidden` the rows' final residual streams [B, hc, H]). Rows of one sequence at consecutive positions (a
+        `hidden` what the drafter reads of the rows, as `prefill`'s). Rows of one sequence at consecutive positions (a
         verify step's) write their state before any row reads it, so each sees the rows before it."""
 
         rotated = inp.positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
@@ -97,8 +100,10 @@ class DeepseekV4:
             p = project(ctx, w, x, rotated)
             return self._gathered(finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated))
 
-        streams = self.blocks(inp.ids, attend)
-        return (self.head(streams, None), streams) if hidden else self.head(streams, None)
+        taps = [] if hidden else None
+        streams = self.blocks(inp.ids, attend, taps)
+        logits = self.head(streams, None)
+        return (logits, torch.cat(taps, dim=-1) if taps else streams) if hidden else logits
 
     def _gathered(self, attention: torch.Tensor) -> torch.Tensor:
         """The attention output summed over the tensor-parallel ranks' heads (as is on one rank)."""
@@ -114,11 +119,15 @@ class DeepseekV4:
         for layer in range(cfg.num_hidden_layers):
             self._experts(layer, indices[:, 0], x, weights, indices, cfg.swiglu_limit)
 
-    def blocks(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Embed, then every layer: the final residual streams [N, hc, H]."""
+    def blocks(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
+               taps: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Embed, then every layer: the final residual streams [N, hc, H]. `taps` (DSpark): gets the input streams
+        of the layers of `self.taps`, each averaged over the mHC copies [N, H], in layer order."""
         cfg = self.cfg
         streams = self.ops.embedding(ids, self.weights.embed).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.weights.layers):
+            if taps is not None and i in self.taps:
+                taps.append(streams.mean(dim=1))
             streams = self.block(layer, streams, partial(attend, i), partial(self._moe, i, layer.moe, input_ids=ids))
         return streams
 

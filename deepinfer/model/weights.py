@@ -8,13 +8,16 @@ Canonical names are HF transformers' in-memory names without the leading `model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from deepinfer.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
 from deepinfer.errors import WeightsError
 from tilekernels.quant import BlockQuantized, cat_rows, dense
+
+if TYPE_CHECKING:
+    from deepinfer.model.dspark_weights import DSparkWeights
 
 # What dtype a tensor is kept in: the compute dtype, always fp32 (norms, mHC, sinks, biases), or int64.
 MODEL, FP32, INT = "model", "fp32", "int"
@@ -44,7 +47,12 @@ def tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
 
 def mtp_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Every tensor of the config's MTP (nextn) draft layers, `mtp.{j}.*`: a sliding-window block with top-k MoE,
-    the input projections and norms, its final norm and HyperHead (none when `num_nextn_predict_layers` is 0)."""
+    the input projections and norms, its final norm and HyperHead (none when `num_nextn_predict_layers` is 0);
+    with `cfg.dspark` the DSpark blocks' and heads' instead (`model/dspark_weights.py`)."""
+    if cfg.dspark is not None:
+        from deepinfer.model.dspark_weights import dspark_tensor_specs
+
+        return dspark_tensor_specs(cfg)
     h, n = cfg.hidden_size, cfg.hc_mult
     specs: dict[str, TensorSpec] = {}
     for j in range(cfg.num_nextn_predict_layers):
@@ -60,9 +68,9 @@ def mtp_tensor_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     return specs
 
 
-def block_specs(cfg: ModelConfig, p: str, kind: str, mlp_kind: str) -> dict[str, TensorSpec]:
+def block_specs(cfg: ModelConfig, p: str, kind: str, mlp_kind: str, experts: int = 0) -> dict[str, TensorSpec]:
     """The tensors of one V4 block under prefix `p` (`layers.{i}.`, `mtp.{j}.`) of attention `kind` and MoE
-    `mlp_kind`."""
+    `mlp_kind`; `experts`: its routed experts when not the config's (DSpark blocks)."""
     h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
     nh, d = cfg.num_attention_heads, cfg.head_dim
     mixes = (2 + n) * n
@@ -109,7 +117,7 @@ def block_specs(cfg: ModelConfig, p: str, kind: str, mlp_kind: str) -> dict[str,
             }
         )
     m = p + "mlp."
-    e, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    e, inter = experts or cfg.n_routed_experts, cfg.moe_intermediate_size
     specs[m + "gate.weight"] = TensorSpec((e, h), MODEL)
     if mlp_kind == HASH_MOE:
         specs[m + "gate.tid2eid"] = TensorSpec((v, cfg.num_experts_per_tok), INT)
@@ -211,6 +219,12 @@ class ModelWeights:
     hc_head: HyperConnection
     layers: tuple[Layer, ...]
     mtp: tuple[MTPLayer, ...] = ()  # the checkpoint's MTP draft layers (none when absent or not loaded)
+    dspark: DSparkWeights | None = None  # its DSpark drafter instead, with `cfg.dspark` (None when not loaded)
+
+    @property
+    def draft_layers(self) -> int:
+        """The draft layers loaded (each keeps a window ring per slot): DSpark's blocks, or the MTP layers."""
+        return len(self.dspark.blocks) if self.dspark is not None else len(self.mtp)
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> ModelWeights:
@@ -218,13 +232,17 @@ class ModelWeights:
         it holds their tensors (all of `mtp_tensor_specs(cfg)`, or none: `mtp` is then empty)."""
         check_tensors(cfg, tensors)
         t, dtype = tensors, tensors["embed_tokens.weight"].dtype
-        layers = [_layer(t, f"layers.{i}.", cfg.layer_types[i], dtype) for i in range(cfg.num_hidden_layers)]
-        mtp = []
-        if check_mtp(cfg, tensors):
+        layers = [layer_weights(t, f"layers.{i}.", cfg.layer_types[i], dtype) for i in range(cfg.num_hidden_layers)]
+        mtp, dspark = [], None
+        if check_mtp(cfg, tensors) and cfg.dspark is not None:
+            from deepinfer.model.dspark_weights import DSparkWeights
+
+            dspark = DSparkWeights.from_tensors(cfg, t, dtype)
+        elif check_mtp(cfg, tensors):
             for j in range(cfg.num_nextn_predict_layers):
                 p = f"mtp.{j}."
                 mtp.append(MTPLayer(
-                    block=_layer(t, p, SLIDING, dtype),
+                    block=layer_weights(t, p, SLIDING, dtype),
                     e_proj=t[p + "e_proj.weight"],
                     h_proj=t[p + "h_proj.weight"],
                     enorm=t[p + "enorm.weight"],
@@ -239,10 +257,11 @@ class ModelWeights:
             hc_head=HyperConnection(t["hc_head.hc_fn"], t["hc_head.hc_base"], t["hc_head.hc_scale"]),
             layers=tuple(layers),
             mtp=tuple(mtp),
+            dspark=dspark,
         )
 
 
-def _layer(t: Mapping[str, torch.Tensor], p: str, kind: str, dtype: torch.dtype) -> Layer:
+def layer_weights(t: Mapping[str, torch.Tensor], p: str, kind: str, dtype: torch.dtype) -> Layer:
     """The block under prefix `p` (`layers.{i}.`, `mtp.{j}.`) of attention `kind`; `dtype`: the model's."""
     a, m = p + "self_attn.", p + "mlp."
     compressor = indexer = None
@@ -289,7 +308,8 @@ def check_mtp(cfg: ModelConfig, tensors, where: str = "") -> bool:
     specs = mtp_tensor_specs(cfg)
     if not any(name in tensors for name in specs):
         return False
-    what = f"the config's {cfg.num_nextn_predict_layers} MTP layer(s) (their tensors come all or none)"
+    kind = "DSpark draft block(s)" if cfg.dspark is not None else "MTP layer(s)"
+    what = f"the config's {cfg.num_nextn_predict_layers} {kind} (their tensors come all or none)"
     check_present(specs, tensors, what, where)
     if isinstance(tensors, Mapping):
         for name, spec in specs.items():

@@ -11,7 +11,9 @@ Each sets `Request.confidence` too: per draft, its estimated chance of acceptanc
 MTP layer: its softmax probability of the token it drafted; the oracle: its acceptance probability), which
 confidence-sized verification reads (`runtime/spec_budget.py`).
 
-`MTPDrafts`: the model's MTP layer (`model/mtp.py`). `OracleDrafts`: a benchmark and test source that proposes a
+`MTPDrafts`: the model's MTP layer (`model/mtp.py`). `DSparkDrafts`: its DSpark drafter (`model/dspark.py`): the
+kept rows' tapped streams go into the draft blocks' window rings, then one block pass drafts k tokens (its
+confidence head gives the confidences). `OracleDrafts`: a benchmark and test source that proposes a
 known continuation of each request (the target's own greedy tokens) with each draft kept with probability p
 and replaced by a wrong token otherwise, so that acceptance is set from outside (random weights accept nothing).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.model.dspark import DSparkDrafter
 from deepinfer.model.mtp import MTPDrafter, draft_share, rollback_chain
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.sampler import Features, pack, select_tokens
@@ -96,6 +99,58 @@ class MTPDrafts:
                                                    [(s, i, 1) for i, s in enumerate(shares)], None)
         rollback_chain(shares, ends)
         for r, d, c in zip(reqs, drafts, confidence):
+            r.drafts, r.confidence = d, c
+
+
+class DSparkDrafts:
+    """Drafts with DSpark: the draft blocks read every row the target keeps, then one pass drafts a block."""
+
+    def __init__(self, model, cache):
+        self.cache, self.drafter = cache, DSparkDrafter(model)
+
+    def after_prefill(self, chunks, taps: torch.Tensor, sampled: dict[int, int], k: int) -> None:
+        rows, positions, seqs, anchors = [], [], [], []
+        for r, start, take, offset in chunks:
+            seqs.append((self._share(r, start), len(rows), take))
+            rows.extend(range(offset, offset + take))
+            positions.extend(range(start, start + take))
+            if start + take == r.num_prefill:  # the prefill is in: its new token is the anchor
+                anchors.append((r, sampled.get(r.index, r.generated[-1] if r.generated else 0), start + take))
+        self._read(rows, positions, seqs, taps)
+        self._draft(anchors, k)
+
+    def after_verify(self, live, taps: torch.Tensor, k: int) -> None:
+        rows, positions, seqs = [], [], []
+        for r, base, n, start in live:
+            seqs.append((self._share(r, base), len(rows), n))
+            rows.extend(range(start, start + n))
+            positions.extend(range(base, base + n))
+        self._read(rows, positions, seqs, taps)
+        self._draft([(r, r.generated[-1], base + n) for r, base, n, _ in live], k)
+
+    @staticmethod
+    def _share(r: Request, start: int):
+        share = r.cache.draft
+        return share if share is not None and share.num_tokens == start else draft_share(r.cache, start)
+
+    def _read(self, rows, positions, seqs, taps: torch.Tensor) -> None:
+        if rows:
+            device = taps.device
+            self.drafter.read(self.cache, taps[torch.tensor(rows, device=device)],
+                              torch.tensor(positions, device=device), seqs)
+
+    def _draft(self, anchors: list[tuple[Request, int, int]], k: int) -> None:
+        """A block per (request, anchor token, its position): the first k drafts and their confidences."""
+        if not anchors:
+            return
+        reqs = [r for r, _, _ in anchors]
+        device = self.drafter.model.device
+        first = [p + 1 for _, _, p in anchors]  # draft i is for position anchor + 1 + i
+        tokens, confidence = self.drafter.draft(
+            self.cache, torch.tensor([t for _, t, _ in anchors], device=device),
+            torch.tensor([p for _, _, p in anchors], device=device), [r.cache.draft for r in reqs],
+            lambda logits, i: draws(reqs, logits, [p + i for p in first]))
+        for r, d, c in zip(reqs, tokens[:, :k].tolist(), confidence[:, :k].tolist()):
             r.drafts, r.confidence = d, c
 
 

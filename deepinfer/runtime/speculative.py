@@ -197,10 +197,12 @@ class Speculator:
 
 
 def speculator(steps, tokens: int, varlen: bool = False) -> Speculator | None:
-    """The engine's speculator: up to `tokens` MTP drafts per request and step, all verified or (`varlen`) as many
-    as confidence-sized verification admits (None: plain decoding)."""
+    """The engine's speculator: up to `tokens` drafts (DSpark's when the model has it, else the MTP layer's) per
+    request and step, all verified or (`varlen`) as many as confidence-sized verification admits (None: plain
+    decoding)."""
     if not tokens:
         return None
-    from deepinfer.runtime.drafters import MTPDrafts
+    from deepinfer.runtime.drafters import DSparkDrafts, MTPDrafts
 
-    return Speculator(steps, tokens, MTPDrafts(steps.model, steps.cache), varlen)
+    source = DSparkDrafts if steps.model.weights.dspark is not None else MTPDrafts
+    return Speculator(steps, tokens, source(steps.model, steps.cache), varlen)

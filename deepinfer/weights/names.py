@@ -47,7 +47,8 @@ _RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 _EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _MTP = re.compile(r"^mtp\.(\d+)\.(.*)$")
 # The MTP layers' own tensors, kept as they are (`norm` is no compressor's norm, `enorm`/`hnorm` no renamed ones)
-_MTP_OWN = re.compile(r"^((e_proj|h_proj|enorm|hnorm|norm)\.weight|hc_head\.hc_(fn|base|scale))$")
+_MTP_OWN = re.compile(r"^((e_proj|h_proj|enorm|hnorm|norm|main_proj|main_norm|confidence_head\.proj|"
+                      r"markov_head\.(embed|head))\.weight|hc_head\.hc_(fn|base|scale))$")
 _EXPERT_PART = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -74,13 +75,16 @@ def is_mtp(name: str) -> bool:
 def canonical(name: str) -> str:
     """Canonical spelling of a (non-scale) tensor name. An MTP layer's block tensors (`mtp.N.attn.wq_a.weight`,
     `mtp.N.self_attn.q_a_proj.weight`, ...) are spelled as a target layer's with `layers.N.` for `mtp.N.`; its
-    own ones as `mtp.N.e_proj.weight`, `mtp.N.norm.weight`, `mtp.N.hc_head.hc_fn` (upstream `mtp.N.hc_head_fn`)."""
+    own ones as `mtp.N.e_proj.weight`, `mtp.N.norm.weight`, `mtp.N.hc_head.hc_fn` (upstream `mtp.N.hc_head_fn`);
+    DSpark's as `mtp.N.main_proj.weight`, `mtp.N.markov_head.embed.weight` (DeepSpec: `markov_w1`), ..."""
     key = name[len("model.") :] if name.startswith("model.") else name
     if key == "norm.weight" or key.startswith("hc_head."):
         return key
     m = _MTP.match(key)
     if m:
         layer, rest = m.group(1), re.sub(r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1", m.group(2))
+        rest = {"markov_head.markov_w1.weight": "markov_head.embed.weight",  # DeepSpec's names of the Markov head
+                "markov_head.markov_w2.weight": "markov_head.head.weight"}.get(rest, rest)
         if _MTP_OWN.match(rest):
             return f"mtp.{layer}.{rest}"
         return f"mtp.{layer}." + canonical(f"layers.{layer}.{rest}")[len(f"layers.{layer}.") :]

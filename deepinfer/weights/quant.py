@@ -19,10 +19,10 @@ from tilekernels.quant import FP4_BLOCK, BlockQuantized, grid, is_exponent_bytes
 
 FP8_BLOCK = (128, 128)
 # Which canonical tensors a V4 checkpoint stores quantized (the rest: bf16, norms/mHC fp32)
-# (the MTP layers' alike, and their input projections e_proj / h_proj)
+# (the MTP layers' alike, and their input projections e_proj / h_proj; DSpark's main_proj)
 FP8_WEIGHTS = re.compile(r"\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight$|"
                          r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$|"
-                         r"^mtp\.\d+\.(e_proj|h_proj)\.weight$")
+                         r"^mtp\.\d+\.(e_proj|h_proj|main_proj)\.weight$")
 EXPERTS = re.compile(r"^((?:layers|mtp)\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)

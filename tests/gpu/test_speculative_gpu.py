@@ -14,7 +14,7 @@ from deepinfer.runtime.drafters import OracleDrafts
 from deepinfer.runtime.sampling import SamplingParams
 from deepinfer.runtime.speculative import Speculator
 from deepinfer.tiny import random_tensors
-from tests.helpers import TINY_MTP, save_model_dir
+from tests.helpers import TINY_DSPARK, TINY_MTP, save_model_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -63,3 +63,23 @@ def test_speculative_equals_plain_decoding(model_dir, cuda, invariant, seqs, k):
         got = spec.generate(prompts(seqs), p)
         st = spec.last_stats.spec
         assert st.accepted == st.reached and check(got) == check(want)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_dspark_equals_plain_decoding(tmp_path, cuda, invariant):
+    """DSpark drafting on the sm90 kernels (the block pass: sparse attention over window + block rows, its own
+    experts, the Markov head), verified through the decode graphs: the output is plain decoding's."""
+    tensors = random_tensors(ModelConfig.from_dict(TINY_DSPARK), seed=0)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 30.0
+    path = save_model_dir(tmp_path / "tiny-dspark", TINY_DSPARK, tensors)
+    kw = dict(backend="nvidia", dtype="bfloat16", max_num_seqs=4, prefix_cache="off", batch_invariant=invariant)
+    plain = deepinfer.LLM(path, speculative_tokens=0, **kw)
+    spec = deepinfer.LLM(path, **kw)
+    assert spec.speculative_tokens == 4 and type(spec.engine.speculator.drafts).__name__ == "DSparkDrafts"
+    check = signature if invariant else (lambda outs: [o.token_ids for o in outs])
+    for p in (SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True, logprobs=3 if invariant else None),
+              SamplingParams(temperature=0.8, seed=5, max_new_tokens=48, ignore_eos=True)):
+        want = plain.generate(prompts(4), p)
+        got = spec.generate(prompts(4), p)
+        st = spec.last_stats.spec
+        assert st.steps > 0 and st.drafts > 0 and check(got) == check(want)

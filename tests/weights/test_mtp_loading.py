@@ -165,15 +165,7 @@ def test_quantized_checkpoint_loads_the_mtp_layer(quantized):
     kept = load_checkpoint(path, cfg, torch.float32, keep_quantized=True)
     dense = load_checkpoint(path, cfg, torch.float32)
     assert kept.mtp_layers == dense.mtp_layers == 1
-    for name in MTP:
-        a, b, d = made[name], kept.tensors[name], dense.tensors[name]
-        if isinstance(a, BlockQuantized):
-            assert isinstance(b, BlockQuantized) and (a.format, a.block) == (b.format, b.block), name
-            assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)), name
-            assert torch.equal(a.scales.view(torch.uint8), b.scales.contiguous().view(torch.uint8)), name
-            assert torch.equal(d, a.dequantize(torch.float32)), name
-        else:
-            assert not isinstance(b, BlockQuantized) and torch.equal(a, b) and torch.equal(a, d), name
+    check_kept_and_dense(made, kept, dense, MTP)
     mtp = ModelWeights.from_tensors(cfg, kept.tensors).mtp[0]
     assert isinstance(mtp.e_proj, BlockQuantized) and isinstance(mtp.block.moe.gate_up, BlockQuantized)
     assert isinstance(mtp.block.moe.shared_gate_up, BlockQuantized)  # gate over up joined on a block boundary
@@ -182,15 +174,34 @@ def test_quantized_checkpoint_loads_the_mtp_layer(quantized):
         assert weight_bytes(path, cfg, torch.float32, keep) == _bytes(loaded.tensors)
 
 
-def test_load_mtp_false_skips_the_mtp_tensors(quantized):
-    path, _ = quantized
+def check_kept_and_dense(made, kept, dense, names) -> None:
+    """The tensors `names` loaded kept quantized (`kept`) are `made`'s bytes; dequantized (`dense`), their values."""
+    for name in names:
+        a, b, d = made[name], kept.tensors[name], dense.tensors[name]
+        if isinstance(a, BlockQuantized):
+            assert isinstance(b, BlockQuantized) and (a.format, a.block) == (b.format, b.block), name
+            assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)), name
+            assert torch.equal(a.scales.view(torch.uint8), b.scales.contiguous().view(torch.uint8)), name
+            assert torch.equal(d, a.dequantize(torch.float32)), name
+        else:
+            assert not isinstance(b, BlockQuantized) and torch.equal(a, b) and torch.equal(a, d), name
+
+
+def skipped_drafter(path) -> ModelWeights:
+    """`load_mtp=False` on a checkpoint with drafter tensors: every `mtp.*` tensor skipped, not read."""
     cfg = ModelConfig.from_model_dir(path)
     n_mtp = sum(is_mtp(k) for k in load_file(str(path / "model.safetensors")))
     ckpt = load_checkpoint(path, cfg, torch.float32, load_mtp=False)
     assert ckpt.mtp_skipped == n_mtp > 0 and ckpt.mtp_layers == 0 and not ckpt.ignored
     assert not any(name.startswith("mtp.") for name in ckpt.tensors)
-    assert ModelWeights.from_tensors(cfg, ckpt.tensors).mtp == ()
     assert weight_bytes(path, cfg, torch.float32, False, load_mtp=False) == _bytes(ckpt.tensors)
+    return ModelWeights.from_tensors(cfg, ckpt.tensors)
+
+
+def test_load_mtp_false_skips_the_mtp_tensors(quantized):
+    path, _ = quantized
+    weights = skipped_drafter(path)
+    assert weights.mtp == () and weights.dspark is None
 
 
 def test_checkpoint_without_mtp_tensors_loads_no_mtp_layer(tmp_path):

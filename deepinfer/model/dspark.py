@@ -1,0 +1,120 @@
+"""DSpark block drafting over the paged cache (`config_dspark.DSparkConfig`, `model/dspark_weights.py`), as in
+DeepSeek's reference (`DSparkBlock` of the V4.1 inference code), on V4 blocks.
+
+Context: each draft block keeps a window ring per slot (`PagedCache.draft_layers`) of the KV of the target's
+kept positions: `main = main_norm(main_proj(taps))`, where `taps` are the input streams of the target layers
+`dspark_target_layer_ids`, averaged over the mHC copies and concatenated (`DeepseekV4.prefill/decode` with
+`hidden`), then per block `rope(kv_norm(kv_proj(main)))` at the position. Only the target's rows are written,
+so a rejected draft leaves nothing to roll back.
+
+A draft pass: the block `[anchor, noise x (block_size - 1)]` (the anchor is the newest token, at position n,
+not yet run through the target) at positions n .. n + block_size - 1 goes through every draft block: queries
+see the window (positions n - W .. n - 1), every row of the block (bidirectional) and the sink; then the last
+block's HyperHead collapse, its norm and the target's LM head give base logits per row. Token i + 1 is drawn
+from row i's logits plus the Markov head's bias for token i (`markov_head(markov_embed[t_i])`), in order; the
+confidence of draft i is `sigmoid(confidence . [collapsed row i ; markov_embed[t_i]])` (fp32), the drafter's
+estimate that draft i is accepted when the ones before it were.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from deepinfer.model.attention import AttentionContext, finish, project
+from deepinfer.model.moe import moe
+from deepinfer.runtime.cache import PagedCache, SeqCache
+
+if TYPE_CHECKING:
+    from deepinfer.model.model import DeepseekV4
+
+Chunks = list[tuple[SeqCache, int, int]]
+
+
+class DSparkDrafter:
+    """The DSpark drafter of a `DeepseekV4` loaded with `weights.dspark`."""
+
+    def __init__(self, model: DeepseekV4):
+        if model.weights.dspark is None:
+            raise ValueError("the model has no DSpark drafter loaded (ModelWeights.dspark is None)")
+        cfg = model.cfg
+        self.model, self.w, self.ds = model, model.weights.dspark, cfg.dspark
+        self.ctx = AttentionContext(cfg, model.ops, cfg.num_hidden_layers, model.main_rope, model.main_rope)
+
+    @torch.inference_mode()
+    def read(self, cache: PagedCache, taps: torch.Tensor, positions: torch.Tensor, seqs: Chunks) -> None:
+        """Rows the target kept: `taps` [N, taps * H] at `positions` [N]; `seqs` lists (draft share, first row,
+        rows), each chunk continuing its share's count. Writes the last `sliding_window` rows of each chunk into
+        every block's window ring (earlier ones would be overwritten); advances the counts."""
+        cfg, ops, w, eps = self.model.cfg, self.model.ops, self.w, self.model.cfg.rms_norm_eps
+        rows, slots = [], []
+        for share, first, n in seqs:
+            keep = range(first + max(0, n - cfg.sliding_window), first + n)
+            rows.extend(keep)
+            slots.extend([share.slot] * len(keep))
+            share.num_tokens += n
+        if not rows:
+            return
+        device = taps.device
+        picked = torch.tensor(rows, device=device)
+        pos, slot = positions[picked], torch.tensor(slots, device=device)
+        rotated, rope = pos.to(torch.int32), self.ctx.rope
+        main = ops.rms_norm(ops.linear(taps[picked], w.main_proj), w.main_norm, eps)
+        for block, layer in zip(w.blocks, cache.draft_layers):
+            kv = ops.rms_norm(ops.linear(main, block.attn.kv_proj), block.attn.kv_norm, eps)
+            kv = ops.rope(kv, rotated, rope.inv_freq, rope.attention_factor)
+            layer.pool[layer.layout.window_rows(slot, pos)] = kv.to(layer.pool.dtype)
+
+    @torch.inference_mode()
+    def draft(self, cache: PagedCache, anchors: torch.Tensor, positions: torch.Tensor, shares: list[SeqCache],
+              choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass per request: `anchors` [R] (the newest tokens) at `positions` [R], each share holding the
+        positions before. `choose(logits [R, V], i)` picks draft i from its corrected logits. Returns the drafts
+        [R, block_size] and their confidences [R, block_size] (fp32)."""
+        model, cfg, ops, w, ds = self.model, self.model.cfg, self.model.ops, self.w, self.ds
+        r, b, win, device = anchors.shape[0], ds.block_size, cfg.sliding_window, anchors.device
+        ids = torch.full((r, b), ds.noise_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = anchors
+        pos = (positions.view(r, 1) + torch.arange(b, device=device)).view(-1)
+        rotated = pos.to(torch.int32)
+        # each request's pool: its window (W rows, -1 where it holds no position) then its block's b rows
+        window = positions.view(r, 1) + torch.arange(-win, 0, device=device)
+        starts = torch.tensor([s.window_start for s in shares], device=device).view(r, 1)
+        slots = torch.tensor([s.slot for s in shares], device=device).view(r, 1)
+        base = torch.arange(r, device=device).view(r, 1) * (win + b)
+        listed = torch.cat([torch.where(window >= starts, base + torch.arange(win, device=device), -1),
+                            base + win + torch.arange(b, device=device)], dim=1)
+        listed = listed.repeat_interleave(b, dim=0).to(torch.int32)  # [R * b, W + b]: every row of its request
+
+        def attention(block, layer) -> Callable[[torch.Tensor], torch.Tensor]:
+            ring = layer.pool[layer.layout.window_rows(slots, window.clamp(min=0))]  # [R, W, D]
+
+            def attend(h: torch.Tensor) -> torch.Tensor:
+                p = project(self.ctx, block.attn, h, rotated)
+                pool = torch.cat([ring.to(p.kv.dtype), p.kv.view(r, b, -1)], dim=1).view(r * (win + b), -1)
+                out = ops.sparse_attention(p.q, pool, listed, block.attn.sinks, cfg.head_dim**-0.5)
+                return finish(self.ctx, block.attn, out, rotated)
+            return attend
+
+        def ffn(block) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda h: moe(ops, block.moe, h, ds.num_experts_per_tok, cfg.scoring_func,
+                                 cfg.routed_scaling_factor, cfg.swiglu_limit)
+
+        streams = ops.embedding(ids.view(-1), model.weights.embed).unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+        streams = streams.contiguous()
+        for block, layer in zip(w.blocks, cache.draft_layers):
+            streams = model.block(block, streams, attention(block, layer), ffn(block))
+        hc = w.hc_head
+        collapsed = ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_norm_eps)  # [R * b, H]
+        logits = ops.linear(ops.rms_norm(collapsed, w.norm, cfg.rms_norm_eps), model.weights.lm_head).float()
+        logits = logits.view(r, b, -1)
+        tokens, embeds, prev = [], [], anchors
+        for i in range(b):  # the Markov head's bias for the token before, then the draw, in order
+            embed = ops.embedding(prev, w.markov_embed)
+            prev = choose(logits[:, i] + ops.linear(embed, w.markov_head).float(), i)
+            tokens.append(prev)
+            embeds.append(embed)
+        features = torch.cat([collapsed.view(r, b, -1), torch.stack(embeds, dim=1)], dim=-1).float()
+        confidence = torch.sigmoid(features @ w.confidence.float().view(-1))
+        return torch.stack(tokens, dim=1), confidence
