@@ -1,4 +1,5 @@
 import hashlib
+import os
 
 import pytest
 import torch
@@ -17,3 +18,70 @@ def c_kernel_cache(tmp_path_factory):
     """One kernel cache for every test that runs the c target: a kernel built by one module is a cache hit in
     the next (the tiny models' plans overlap)."""
     return tmp_path_factory.mktemp("c-kernels")
+
+
+def _in_background() -> None:
+    """A worker of `Ahead`: the lowest CPU priority (the tests running meanwhile keep their core), and no output
+    (it would land in whichever test's captured output is open; the work's results carry its errors)."""
+    os.nice(19)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+
+
+class Ahead:
+    """Slow kernel lowerings queued at the session's start, run by two worker processes at the lowest priority
+    (lowering and nvcc are single-threaded: CI's two cores). A test module with such work defines
+    `queue_ahead(ahead, items)` (items: its selected tests): it submits the work and returns what its module
+    fixture needs, which gets it back through `of` and waits for what is not done yet. The suite's tests run one
+    at a time, so the lowerings of tests/tilekernels/test_lowering.py (near the end) run on the core the tests
+    before it leave idle; a waiting fixture leaves the workers both cores."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory = tmp_path_factory
+        self.queued: dict[str, object] = {}  # module name -> what its queue_ahead returned
+        self._pool = None
+
+    def submit(self, fn, *args):
+        """A future of fn(*args) in a worker (spawned: TileLang's lowering changes process-wide state)."""
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        if self._pool is None:
+            workers = max(1, min(2, os.cpu_count() or 1))
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_in_background)
+        return self._pool.submit(fn, *args)
+
+    def of(self, module) -> object:
+        """What `module`'s queue_ahead returned (its error raised again, failing that module's tests alone)."""
+        queued = self.queued[module.__name__]
+        if isinstance(queued, Exception):
+            raise queued
+        return queued
+
+    def close(self) -> None:
+        if self._pool is not None:  # an interrupted run (-x) drops the queued work, lets the running finish
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ahead(request, tmp_path_factory):
+    """The session's `Ahead`, the work of every selected module that has some queued in run order."""
+    ahead = Ahead(tmp_path_factory)
+    items = [item for item in request.session.items if getattr(item, "module", None) is not None]
+    for module in dict.fromkeys(item.module for item in items):
+        queue = getattr(module, "queue_ahead", None)
+        if queue is not None:
+            try:
+                ahead.queued[module.__name__] = queue(ahead, [item for item in items if item.module is module])
+            except Exception as exc:  # noqa: BLE001 - raised again by the module's fixture (`Ahead.of`)
+                ahead.queued[module.__name__] = exc
+    yield ahead
+    ahead.close()
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with work queued ahead run last (in their order), giving their workers the whole suite's idle
+    core: the tests of tests/compile/test_every_config_lowers.py would otherwise run third, waiting for most of it."""
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "queue_ahead"))

@@ -202,3 +202,37 @@ def test_structured_output(tmp_path):
     assert spec.speculative_tokens == 3
     got = spec.generate(items, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def replaying(fn):
+    """A stand-in for a graph capture on the CPU: the replay runs fn again into the first run's output buffers."""
+    out = fn()
+
+    def replay():
+        for buffer, fresh in zip(out, fn()):
+            buffer.copy_(fresh)
+    return out, replay
+
+
+def test_block_pass_through_graphs(plain, spec):
+    """The block pass through `DSparkGraphs` (static staged inputs, padded buckets; greedy drafts from the graph,
+    sampled ones redrawn from its base logits): the same drafts as the eager pass (same acceptance), and the same
+    tokens as plain decoding."""
+    from deepinfer.runtime.drafters import DSparkDrafts
+    from deepinfer.runtime.speculative import Speculator
+
+    engine = spec.engine
+    eager = engine.speculator
+    batch = prompts([5, 150, 33], seed=9)
+    try:
+        for params in (GREEDY, SEEDED):
+            want = [o.token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+            engine.speculator = eager
+            assert [o.token_ids for o in spec.generate(batch, params, use_tqdm=False)] == want
+            stats = spec.last_stats.spec
+            source = DSparkDrafts(spec.model, spec.cache, replaying)
+            engine.speculator = Speculator(engine.steps, 4, source)
+            assert [o.token_ids for o in spec.generate(batch, params, use_tqdm=False)] == want
+            assert spec.last_stats.spec == stats and set(source.graphs._passes) <= {1, 2, 4}
+    finally:
+        engine.speculator = eager

@@ -72,23 +72,30 @@ class DSparkDrafter:
         """One pass per request: `anchors` [R] (the newest tokens) at `positions` [R], each share holding the
         positions before. `choose(logits [R, V], i)` picks draft i from its corrected logits. Returns the drafts
         [R, block_size] and their confidences [R, block_size] (fp32)."""
+        device = anchors.device
+        slots = torch.tensor([s.slot for s in shares], device=device)
+        starts = torch.tensor([s.window_start for s in shares], device=device)
+        return self.markov(*self.block(cache, anchors, positions, slots, starts), anchors, choose)
+
+    def block(self, cache: PagedCache, anchors: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block pass of R requests (static shapes, no host reads: `runtime/draft_graphs.py` captures it):
+        anchors, positions, their slots and the first position each window ring holds, [R] each. Returns the
+        base logits [R, block_size, V] (fp32) and the collapsed rows [R, block_size, H]."""
         model, cfg, ops, w, ds = self.model, self.model.cfg, self.model.ops, self.w, self.ds
         r, b, win, device = anchors.shape[0], ds.block_size, cfg.sliding_window, anchors.device
         ids = torch.full((r, b), ds.noise_token_id, dtype=torch.long, device=device)
         ids[:, 0] = anchors
-        pos = (positions.view(r, 1) + torch.arange(b, device=device)).view(-1)
-        rotated = pos.to(torch.int32)
+        rotated = (positions.view(r, 1) + torch.arange(b, device=device)).view(-1).to(torch.int32)
         # each request's pool: its window (W rows, -1 where it holds no position) then its block's b rows
         window = positions.view(r, 1) + torch.arange(-win, 0, device=device)
-        starts = torch.tensor([s.window_start for s in shares], device=device).view(r, 1)
-        slots = torch.tensor([s.slot for s in shares], device=device).view(r, 1)
         base = torch.arange(r, device=device).view(r, 1) * (win + b)
-        listed = torch.cat([torch.where(window >= starts, base + torch.arange(win, device=device), -1),
+        listed = torch.cat([torch.where(window >= starts.view(r, 1), base + torch.arange(win, device=device), -1),
                             base + win + torch.arange(b, device=device)], dim=1)
         listed = listed.repeat_interleave(b, dim=0).to(torch.int32)  # [R * b, W + b]: every row of its request
 
         def attention(block, layer) -> Callable[[torch.Tensor], torch.Tensor]:
-            ring = layer.pool[layer.layout.window_rows(slots, window.clamp(min=0))]  # [R, W, D]
+            ring = layer.pool[layer.layout.window_rows(slots.view(r, 1), window.clamp(min=0))]  # [R, W, D]
 
             def attend(h: torch.Tensor) -> torch.Tensor:
                 p = project(self.ctx, block.attn, h, rotated)
@@ -108,13 +115,19 @@ class DSparkDrafter:
         hc = w.hc_head
         collapsed = ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_norm_eps)  # [R * b, H]
         logits = ops.linear(ops.rms_norm(collapsed, w.norm, cfg.rms_norm_eps), model.weights.lm_head).float()
-        logits = logits.view(r, b, -1)
+        return logits.view(r, b, -1), collapsed.view(r, b, -1)
+
+    def markov(self, logits: torch.Tensor, collapsed: torch.Tensor, anchors: torch.Tensor,
+               choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts in order from `block`'s outputs: draft i from base row i plus the Markov head's bias for the
+        token before it (the anchor for the first), picked by `choose`; and each draft's confidence."""
+        ops, w = self.model.ops, self.w
         tokens, embeds, prev = [], [], anchors
-        for i in range(b):  # the Markov head's bias for the token before, then the draw, in order
+        for i in range(logits.shape[1]):
             embed = ops.embedding(prev, w.markov_embed)
             prev = choose(logits[:, i] + ops.linear(embed, w.markov_head).float(), i)
             tokens.append(prev)
             embeds.append(embed)
-        features = torch.cat([collapsed.view(r, b, -1), torch.stack(embeds, dim=1)], dim=-1).float()
+        features = torch.cat([collapsed, torch.stack(embeds, dim=1)], dim=-1).float()
         confidence = torch.sigmoid(features @ w.confidence.float().view(-1))
         return torch.stack(tokens, dim=1), confidence

@@ -105,8 +105,13 @@ class MTPDrafts:
 class DSparkDrafts:
     """Drafts with DSpark: the draft blocks read every row the target keeps, then one pass drafts a block."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, capture=None):
+        """`capture`: the backend's graph capture (the block pass of each request-count bucket replays a graph);
+        None: eager."""
+        from deepinfer.runtime.draft_graphs import DSparkGraphs
+
         self.cache, self.drafter = cache, DSparkDrafter(model)
+        self.graphs = DSparkGraphs(self.drafter, cache, cache.spec.max_seqs, capture) if capture else None
 
     def after_prefill(self, chunks, taps: torch.Tensor, sampled: dict[int, int], k: int) -> None:
         rows, positions, seqs, anchors = [], [], [], []
@@ -146,10 +151,20 @@ class DSparkDrafts:
         reqs = [r for r, _, _ in anchors]
         device = self.drafter.model.device
         first = [p + 1 for _, _, p in anchors]  # draft i is for position anchor + 1 + i
-        tokens, confidence = self.drafter.draft(
-            self.cache, torch.tensor([t for _, t, _ in anchors], device=device),
-            torch.tensor([p for _, _, p in anchors], device=device), [r.cache.draft for r in reqs],
-            lambda logits, i: draws(reqs, logits, [p + i for p in first]))
+        ids, positions, shares = [t for _, t, _ in anchors], [p for _, _, p in anchors], [r.cache.draft for r in reqs]
+
+        def choose(logits: torch.Tensor, i: int) -> torch.Tensor:
+            return draws(reqs, logits, [p + i for p in first])
+
+        if self.graphs is None:
+            tokens, confidence = self.drafter.draft(self.cache, torch.tensor(ids, device=device),
+                                                    torch.tensor(positions, device=device), shares, choose)
+        else:
+            logits, collapsed, tokens, confidence = self.graphs.run(ids, positions, shares)
+            features = Features.of([r.params for r in reqs])
+            if features.sampled or features.bias:  # the greedy drafts do not hold: redraw from the base logits
+                tokens, confidence = self.drafter.markov(logits, collapsed, torch.tensor(ids, device=device),
+                                                         choose)
         for r, d, c in zip(reqs, tokens[:, :k].tolist(), confidence[:, :k].tolist()):
             r.drafts, r.confidence = d, c
 

@@ -204,5 +204,8 @@ def speculator(steps, tokens: int, varlen: bool = False) -> Speculator | None:
         return None
     from deepinfer.runtime.drafters import DSparkDrafts, MTPDrafts
 
-    source = DSparkDrafts if steps.model.weights.dspark is not None else MTPDrafts
-    return Speculator(steps, tokens, source(steps.model, steps.cache), varlen)
+    if steps.model.weights.dspark is not None:
+        source = DSparkDrafts(steps.model, steps.cache, getattr(steps, "capture", None))
+    else:
+        source = MTPDrafts(steps.model, steps.cache)
+    return Speculator(steps, tokens, source, varlen)

@@ -11,9 +11,9 @@ is ODD_A's alone, with one GEMM shape per kind of ragged edge (`ASCEND_GEMMS`): 
 tiles are what tests/tilekernels/test_lowering.py lowers every kernel at (V4-Flash widths, Ascend included).
 The c target's set is ODD_A's alone too: the default model's float32 plan on c is built whole (lowered and
 compiled, every kernel or the script fails) by tests/codegen/test_workers.py's script without a main guard.
-The kernels of all the targets are handed to one pair of worker processes (started once for the module) one at a
-time, Ascend's and the slowest kinds first (Ascend lowers sparse attention's split kernel in ~15 s, most others in
-a few), so that neither worker idles between targets or at the end."""
+The kernels of all the targets are handed to one pair of worker processes (started once for the session:
+tests/conftest.py's `ahead`) one at a time, Ascend's and the slowest kinds first (Ascend lowers sparse attention's
+split kernel in ~15 s, most others in a few), so that neither worker idles between targets or at the end."""
 
 from __future__ import annotations
 
@@ -74,26 +74,25 @@ def lower_all(name: str, items: list[tuple]) -> list[str]:
     return failed
 
 
-@pytest.fixture(scope="module")
-def failures(request) -> dict[str, list[str]]:
-    """Every selected target's kernels lowered by one pair of worker processes (lowering is single-threaded: CI's
-    two cores), one kernel at a time, Ascend's first and each target's slowest kinds first: the workers start
-    once for the module and neither idles between targets. The failures of each target, for its test to report."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    from tests.helpers import selected
-
-    names = list(dict.fromkeys(selected(request, "name")))
+def queue_ahead(ahead, items: list) -> tuple:
+    """Every selected target's kernels (`items`: the selected tests), queued at the session's start by
+    tests/conftest.py's `ahead` (two worker processes: lowering is single-threaded, CI's two cores) one kernel at
+    a time, Ascend's first and each target's slowest kinds first, so that neither worker idles at the end (and
+    before this module, they lower on the core the tests before it leave idle). Returns the selected targets
+    and, for each kernel, its target and the future of its failures."""
+    names = list(dict.fromkeys(item.callspec.params["name"] for item in items if hasattr(item, "callspec")))
     work = sorted(((name, item) for name in names for item in plans(backends.get(name).default_dtype, name)),
                   key=lambda w: (w[0] != "ascend", SLOW.get(w[1][:2], len(SLOW))))
-    workers = max(1, min(2, os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = pool.map(lower_all, [name for name, _ in work], [[item] for _, item in work])
-        found: dict[str, list[str]] = {name: [] for name in names}
-        for (name, _), part in zip(work, parts):
-            found[name].extend(part)
+    return names, [(name, ahead.submit(lower_all, name, [item])) for name, item in work]
+
+
+@pytest.fixture(scope="module")
+def failures(ahead, request) -> dict[str, list[str]]:
+    """The failures of each selected target (`queue_ahead`'s work, once done), for its test to report."""
+    names, lowered = ahead.of(request.module)
+    found: dict[str, list[str]] = {name: [] for name in names}
+    for name, part in lowered:
+        found[name].extend(part.result())
     return found
 
 

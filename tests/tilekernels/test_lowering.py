@@ -122,29 +122,28 @@ BUILDS = {"test_cuda_source_and_cubin_for_sm90a_and_sm100a": ("sm90", "sm100"),
           "test_ascend_source_without_traps": ("ascend",)}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory, request):
-    """The kernels of the selected tests, built ahead into one cache by two worker processes (lowering and nvcc
-    are single-threaded: CI's two cores), the slowest first; each test then finds its kernels built (a hit costs
-    a trace) and checks them. Only the kernels of the tests selected to run are built ahead."""
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    path = tmp_path_factory.mktemp("kernels")
+def queue_ahead(ahead, items: list) -> tuple:
+    """The kernels of the selected tests (`items`), queued at the session's start by tests/conftest.py's `ahead`
+    (two worker processes at the lowest priority, on the core the tests before this module leave idle), Ascend's
+    and the slowest first; built into one cache, where each test then finds its kernels (a hit costs a trace)
+    and checks them. Returns the cache and the builds' futures."""
     work = []
-    for item in request.session.items:
-        mine = getattr(item, "module", None) is request.module
-        names = BUILDS.get(getattr(item, "originalname", ""), ()) if mine else ()
+    for item in items:
         params = getattr(item, "callspec", None)
-        for name in names:
+        for name in BUILDS.get(getattr(item, "originalname", ""), ()):
             case = params.params["case"]
             work.append((name, case, params.params.get("variant", CASES[case])))
     work = sorted(dict.fromkeys(work), key=lambda w: (w[0] != "ascend", w[1] != ("sparse_attention", "split")))
-    workers = max(1, min(2, os.cpu_count() or 1))
-    if len(work) > 1 and workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(build_quietly, *zip(*work), [path] * len(work)))
+    path = ahead.tmp_path_factory.mktemp("kernels")
+    return path, [ahead.submit(build_quietly, *w, path) for w in work]
+
+
+@pytest.fixture(scope="module")
+def cache(ahead, request):
+    """The cache `queue_ahead` builds into, once its builds are done."""
+    path, builds = ahead.of(request.module)
+    for build in builds:
+        build.result()
     return path
 
 
