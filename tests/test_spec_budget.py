@@ -50,20 +50,38 @@ def test_step_costs_interpolate_between_measured_buckets():
     assert costs(8) == pytest.approx(0.8 * 0.008 + 0.2 * 0.018)
     profiled = StepCosts((1, 2, 4))
     profiled.device = {1: 0.001, 2: 0.0012, 4: 0.002}  # replays timed at start
-    assert profiled(3) == pytest.approx(0.0016)
+    assert profiled(3) == pytest.approx(0.002) and profiled.steps == (1, 2, 4)  # its bucket's replay: padded
     profiled.record(3, 0.004)  # a measured step (bucket 4): 2 ms of host work beyond its replay
-    assert profiled(1) == pytest.approx(0.003) and profiled(4) == pytest.approx(0.004)
+    assert profiled(1) == pytest.approx(0.003) and profiled(4) == pytest.approx(0.004)  # bucket 1: the average
+    profiled.record(1, 0.0015)
+    assert profiled(1) == pytest.approx(0.0015) and profiled(4) == pytest.approx(0.004)  # each bucket its own
 
 
-def test_interpolated_costs_let_the_admission_cross_a_bucket():
+def test_moving_by_buckets_lets_the_admission_cross_a_bucket():
     """32 requests with drafts of confidence 0.9 and the replay times measured on the H200 (batch-invariant slice:
-    32 rows 5.7 ms, 64 rows 8.5 ms): with the bucket's whole cost the first draft past 32 rows is a drop (none
-    admitted, what the first measured run did); interpolated (and extended past 64 rows), every draft is worth its
-    row: 86.7 expected tokens in 11.3 ms beat 60.8 in 8.5 ms."""
+    32 rows 5.7 ms, 64 rows 8.5 ms): draft by draft at the bucket's whole cost the first draft past 32 rows is a
+    drop (none admitted, what the first measured run did); moving a bucket at a time, the 32 first drafts fill
+    the 64-row bucket (60.8 expected tokens in 8.5 ms beat 32 in 5.7 ms), then every later draft is worth its
+    row (past the largest bucket the cost stays its replay)."""
     costs = StepCosts((32, 64))
     costs.device = {32: 0.0057, 64: 0.0085}
-    assert verify_budget([[0.9, 0.9]] * 32, costs) == [2] * 32
-    assert verify_budget([[0.9, 0.9]] * 32, lambda rows: costs.device[costs.bucket(rows)]) == [0] * 32
+    assert verify_budget([[0.9, 0.9]] * 32, costs, costs.steps) == [2] * 32
+    assert verify_budget([[0.9, 0.9]] * 32, costs) == [0] * 32
+
+
+def test_bucket_moves_checked_by_hand():
+    """One request, four drafts of 0.9; buckets of 1, 2, 4, 6 rows cost 1.0, 1.1, 1.2, 2.0: 1/1 -> 1.9/1.1 = 1.73
+    -> (fill 4 rows) 3.44/1.2 = 2.87 -> (the last draft, 6-row bucket) 4.10/2.0 = 2.05, a drop: three drafts."""
+    costs = StepCosts((1, 2, 4, 6))
+    costs.device = {1: 1.0, 2: 1.1, 4: 1.2, 6: 2.0}
+    assert verify_budget([[0.9] * 4], costs, costs.steps) == [3]
+    costs.device[6] = 1.3  # now 4.10/1.3 = 3.15 rises: all four
+    assert verify_budget([[0.9] * 4], costs, costs.steps) == [4]
+    # two requests (survivals 0.9, 0.81 | 0.6, 0.36): the 4-row bucket takes the two highest (both the first
+    # request's), 2/1.1 -> 3.71/1.2 = 3.09; the next move the rest, 4.67/1.3 = 3.59
+    assert verify_budget([[0.9, 0.9], [0.6, 0.6]], costs, costs.steps) == [2, 2]
+    costs.device[6] = 2.0  # 4.67/2.0 = 2.34, a drop
+    assert verify_budget([[0.9, 0.9], [0.6, 0.6]], costs, costs.steps) == [2, 0]
 
 
 def test_sized_verification_gives_plain_decodings_tokens(mtp_dir, plain):  # noqa: F811

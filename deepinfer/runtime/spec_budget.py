@@ -12,7 +12,7 @@ tokens do not depend on the lengths at all (docs/speculative.md); the rule still
 monotone.
 
 `StepCosts` keeps the cost of a step by its graph bucket: measured at start (each captured bucket replayed) where
-graphs exist, then refined with every verify step's measured time.
+graphs exist, then the host's share refined with every verify step's measured time.
 """
 
 from __future__ import annotations
@@ -23,9 +23,13 @@ from typing import Callable, Sequence
 import torch
 
 
-def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], float]) -> list[int]:
+def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], float],
+                  steps: Sequence[int] | None = None) -> list[int]:
     """Drafts to verify per request (a prefix of each request's drafts), from each draft's confidence [request][j]
-    and `cost(rows)` of a verify step of that many rows (one per request plus the admitted drafts)."""
+    and `cost(rows)` of a verify step of that many rows (one per request plus the admitted drafts). `steps`: the
+    row counts where the cost changes (graph buckets: a step of r rows costs its bucket's replay); the admission
+    then moves a bucket at a time, each move filling the next bucket with the highest survivals (within a bucket
+    more rows cost nothing more), and stops at the first move whose rate does not rise."""
     order = []
     for r, cs in enumerate(confidences):
         survival = 1.0
@@ -34,52 +38,58 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
             order.append((-survival, j, r))
     order.sort()  # highest survival first; within a request survival never rises, ties go by position
     counts = [0] * len(confidences)
+    queue = [(-minus, r) for minus, j, r in order]  # a request's drafts in order (ties go by position)
     rows = expected = float(len(confidences))
     rate = expected / cost(int(rows))
-    for minus, j, r in order:
-        if j != counts[r]:  # not the request's next draft (only on equal survivals): keep the prefix
-            continue
-        nxt = (expected - minus) / cost(int(rows) + 1)
+    taken = 0
+    while taken < len(queue):
+        room = next((b for b in steps or () if b > rows), None)
+        group = queue[taken : taken + (int(room - rows) if room is not None else 1)]
+        gain = sum(s for s, _ in group)
+        nxt = (expected + gain) / cost(int(rows) + len(group))
         if nxt <= rate:
             break  # the first drop (or no gain) ends the admission
-        counts[r] += 1
-        rows += 1
-        expected -= minus
-        rate = nxt
+        for _, r in group:
+            counts[r] += 1
+        taken, rows, expected, rate = taken + len(group), rows + len(group), expected + gain, nxt
     return counts
 
 
 class StepCosts:
     """Seconds of a verify step by its rows. Where the decode graphs are captured, each bucket's replay is timed
-    at start (`profile`), and a step of r rows costs the replay time interpolated linearly at r between the
-    profiled bucket sizes, plus the host's share of a step (sampling, appending, drafting: the average of
-    measured steps less their replay). Elsewhere the average of measured steps by bucket, interpolated the same
-    way (flat with one bucket measured, constant with none: everything is admitted until a step is measured).
-
-    The interpolation is what lets the greedy admission cross a bucket: a padded bucket's whole cost would make
-    the first draft past it a drop every time (measured on the H200: no draft admitted at batch 32)."""
+    at start (`profile`), and a step of r rows costs its bucket's replay plus the host's share of a step of that
+    bucket (sampling, appending, drafting: measured steps less their replay; before one is measured, the average
+    over the buckets measured so far); the admission then moves a bucket at a time (`steps`: a padded bucket
+    costs its whole replay, so the first draft past a bucket alone is always a drop: measured on the H200, no draft
+    admitted at batch 32 before the admission moved by buckets). Elsewhere (eager, no padding) the average of
+    measured steps by bucket, interpolated linearly in rows (flat with one bucket measured, constant with none:
+    everything is admitted until a step is measured)."""
 
     def __init__(self, buckets: Sequence[int]):
         self.buckets = tuple(buckets)
         self.seconds: dict[int, float] = {}  # measured steps, by bucket
         self.device: dict[int, float] = {}  # profiled replays, by bucket
-        self.host: float | None = None  # a step's time beyond its replay
+        self.host: dict[int, float] = {}  # a step's time beyond its replay, by bucket
+
+    @property
+    def steps(self) -> tuple[int, ...] | None:
+        """The row counts where the cost changes (profiled buckets), for `verify_budget`; None: continuous."""
+        return tuple(sorted(self.device)) if self.device else None
 
     def bucket(self, rows: int) -> int:
         return next((b for b in self.buckets if b >= rows), self.buckets[-1])
 
     def record(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)
-        if b in self.device:
-            extra = max(seconds - self.device[b], 0.0)
-            self.host = extra if self.host is None else 0.8 * self.host + 0.2 * extra
-            return
-        old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        table, value = (self.host, max(seconds - self.device[b], 0.0)) if b in self.device else (self.seconds, seconds)
+        old = table.get(b)
+        table[b] = value if old is None else 0.8 * old + 0.2 * value
 
     def __call__(self, rows: int) -> float:
         if self.device:
-            return _interpolate(self.device, rows) + (self.host or 0.0)
+            b = self.bucket(rows)
+            host = self.host.get(b, sum(self.host.values()) / len(self.host) if self.host else 0.0)
+            return self.device.get(b, _interpolate(self.device, rows)) + host
         return _interpolate(self.seconds, rows) if self.seconds else 1.0
 
     def profile(self, replays: dict[int, Callable[[], object]], repeats: int = 5) -> None:

@@ -102,7 +102,8 @@ class Speculator:
         spec, device, begin = stats.spec, self.model.device, time.perf_counter()
         # (the scheduler has cut each request's drafts to its length limits and the blocks it holds)
         if self.costs is not None:  # confidence-sized: the drafts worth a place in this step, across the batch
-            for r, n in zip(reqs, verify_budget([r.confidence[: len(r.drafts)] for r in reqs], self.costs)):
+            for r, n in zip(reqs, verify_budget([r.confidence[: len(r.drafts)] for r in reqs], self.costs,
+                                                self.costs.steps)):
                 r.drafts = r.drafts[:n]
         ids, positions, chunks, bases = [], [], [], []
         for r in reqs:
