@@ -4,6 +4,8 @@ the step-cost table; and through the engine, sized verification gives plain deco
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import deepinfer
@@ -141,3 +143,27 @@ def test_drafts_never_preempt_a_request():
     a.drafts = [7, 7]
     scheduler.next_step()
     assert a.drafts == [7, 7] and len(a.cache.blocks) == 2  # a free block: the drafts take it
+
+
+def test_random_admissions_match_a_plain_loop():
+    """Random confidences and costs: the vectorized admission equals a pair-by-pair loop written here (no
+    buckets), and with buckets every request's admitted drafts are a prefix and each move raised the rate."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        conf = [[rng.random() for _ in range(rng.randint(0, 5))] for _ in range(rng.randint(1, 9))]
+        per_row, fixed = rng.uniform(0.01, 0.5), rng.uniform(0.5, 2.0)
+        cost = lambda rows: fixed + per_row * rows  # noqa: E731
+        pairs = sorted((-s, j, r) for r, cs in enumerate(conf) for j, s in
+                       enumerate([math.prod(cs[: j + 1]) for j in range(len(cs))]))
+        counts, expected, rate = [0] * len(conf), float(len(conf)), len(conf) / cost(len(conf))
+        for minus, _, r in pairs:
+            nxt = (expected - minus) / cost(len(conf) + sum(counts) + 1)
+            if nxt <= rate:
+                break
+            counts[r], expected, rate = counts[r] + 1, expected - minus, nxt
+        assert verify_budget(conf, cost) == counts
+        steps = sorted(rng.sample(range(1, 60), 5))
+        got = verify_budget(conf, lambda rows: cost(next((b for b in steps if b >= rows), rows)), steps)
+        assert all(0 <= g <= len(cs) for g, cs in zip(got, conf))

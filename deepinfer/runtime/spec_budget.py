@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -30,29 +31,31 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
     row counts where the cost changes (graph buckets: a step of r rows costs its bucket's replay); the admission
     then moves a bucket at a time, each move filling the next bucket with the highest survivals (within a bucket
     more rows cost nothing more), and stops at the first move whose rate does not rise."""
-    order = []
+    n = len(confidences)
+    width = max((len(cs) for cs in confidences), default=0)
+    if not n or not width:
+        return [0] * n
+    conf = np.zeros((n, width))
     for r, cs in enumerate(confidences):
-        survival = 1.0
-        for j, c in enumerate(cs):
-            survival *= min(max(float(c), 0.0), 1.0)
-            order.append((-survival, j, r))
-    order.sort()  # highest survival first; within a request survival never rises, ties go by position
-    counts = [0] * len(confidences)
-    queue = [(-minus, r) for minus, j, r in order]  # a request's drafts in order (ties go by position)
-    rows = expected = float(len(confidences))
-    rate = expected / cost(int(rows))
+        conf[r, : len(cs)] = cs
+    survival = np.cumprod(np.clip(conf, 0.0, 1.0), axis=1).ravel()
+    present = (np.arange(width) < np.array([len(cs) for cs in confidences])[:, None]).ravel()
+    draft, request = np.tile(np.arange(width), n), np.repeat(np.arange(n), width)
+    # highest survival first; within a request survival never rises and ties go by position: each request's
+    # drafts come in order, so every admitted set is a prefix of each request's drafts
+    order = np.lexsort((request, draft, -survival))
+    order = order[present[order]]
+    gains = np.concatenate([[0.0], np.cumsum(survival[order])])  # expected tokens of the first i admitted
     taken = 0
-    while taken < len(queue):
-        room = next((b for b in steps or () if b > rows), None)
-        group = queue[taken : taken + (int(room - rows) if room is not None else 1)]
-        gain = sum(s for s, _ in group)
-        nxt = (expected + gain) / cost(int(rows) + len(group))
+    rate = n / cost(n)
+    while taken < len(order):
+        room = next((b for b in steps or () if b > n + taken), None)
+        end = min(len(order), room - n if room is not None else taken + 1)
+        nxt = (n + gains[end]) / cost(n + end)
         if nxt <= rate:
             break  # the first drop (or no gain) ends the admission
-        for _, r in group:
-            counts[r] += 1
-        taken, rows, expected, rate = taken + len(group), rows + len(group), expected + gain, nxt
-    return counts
+        taken, rate = end, nxt
+    return np.bincount(request[order[:taken]], minlength=n).tolist()
 
 
 class StepCosts:
