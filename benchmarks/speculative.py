@@ -221,8 +221,9 @@ def main() -> None:
         def speculative(k: int, accept: float, varlen: bool = False):
             source = OracleDrafts(continuations, accept, vocab)
             if args.drafter != "oracle":
-                kind = DSparkDrafts if args.drafter == "dspark" else MTPDrafts
-                source = Costed(kind(engine.steps.model, engine.cache), source)
+                drafter = (DSparkDrafts(engine.steps.model, engine.cache, engine.steps.capture)  # its graphs
+                           if args.drafter == "dspark" else MTPDrafts(engine.steps.model, engine.cache))
+                source = Costed(drafter, source)
             engine.speculator = Speculator(engine.steps, k, source, varlen)
             engine.speculator.profile()  # sized verification: each captured bucket's cost
             try:
