@@ -115,6 +115,9 @@ class Costed:
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
 
+    def capture_all(self) -> None:
+        getattr(self.drafter, "capture_all", lambda: None)()
+
     def after_prefill(self, *args) -> None:
         self.drafter.after_prefill(*args)
         self.oracle.after_prefill(*args)

@@ -127,14 +127,16 @@ class LLM:
         self.prefix_cache = PrefixMode("off" if v41 else prefix_cache or ("exact" if self.batch_invariant
                                                                            else "approximate"),
                                        env.swa_replay_tokens)
-        drafts = speculative_request(speculative_tokens, env.nextn_decode, v41=v41, ranks=self.parallel.world,
-                                     prefix=self.prefix_cache.mode)  # None: 5 where the model has an MTP layer
         mtp = not v41 and cfg.has_mtp  # what the cache is sized for (the loaded layers decide in assemble_v4)
+        block = cfg.dspark.block_size if mtp and cfg.dspark else 0  # DSpark: K at most its block
+        drafts = speculative_request(speculative_tokens, env.nextn_decode, v41=v41, ranks=self.parallel.world,
+                                     prefix=self.prefix_cache.mode, block=block)  # None: the default
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
                              prefix_cache=self.prefix_cache,
                              draft_layers=(cfg.num_nextn_predict_layers if cfg.dspark else 1) if drafts != 0 and mtp else 0,
-                             lookahead=(DEFAULT_DRAFT_TOKENS if drafts is None else drafts) if mtp else 0)
+                             lookahead=(min(DEFAULT_DRAFT_TOKENS, block or DEFAULT_DRAFT_TOKENS) if drafts is None
+                                        else drafts) if mtp else 0)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:
@@ -148,7 +150,7 @@ class LLM:
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
         self.speculative_tokens = draft_tokens(drafts, speculative_tokens is not None, 0 if v41 else
                                                self.model.weights.draft_layers, str(self.model_dir or "the tiny "
-                                               "random model"), cfg.dspark.block_size if mtp and cfg.dspark else 0)
+                                               "random model"), block)
         self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens, async_scheduling),
                              self.grammars, max_len=self.max_model_len, speculator=speculator(
                                  built.steps, self.speculative_tokens,

@@ -42,9 +42,10 @@ def dspark_from_hf(raw: dict[str, Any], layers: int, drafts: int, experts: int, 
                           f"must be >= 1 (the mtp.* blocks), got {drafts}")
     targets = raw.get("dspark_target_layer_ids")
     if (not isinstance(targets, (list, tuple)) or not targets
-            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < layers for t in targets)):
-        raise ConfigError(f"{source}: dspark_target_layer_ids must list target layers in [0, {layers}), "
-                          f"got {targets!r}")
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < layers for t in targets)
+            or list(targets) != sorted(set(targets))):
+        raise ConfigError(f"{source}: dspark_target_layer_ids must list target layers in [0, {layers}), increasing "
+                          f"(the tapped streams are read in layer order), got {targets!r}")
     noise = number("dspark_noise_token_id")
     if noise >= vocab:
         raise ConfigError(f"{source}: dspark_noise_token_id {noise} is not a token id (vocab_size {vocab})")

@@ -160,15 +160,23 @@ def tiny_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, share=None) -> int:
                    for name, spec in tensor_specs(cfg).items()))
 
 
-def speculative_request(explicit: int | None, env_value: int | None, *, v41: bool, ranks: int, prefix: str) -> int | None:
+def speculative_request(explicit: int | None, env_value: int | None, *, v41: bool, ranks: int, prefix: str,
+                        block: int = 0) -> int | None:
     """The draft tokens per step asked for: `explicit` (LLM / --speculative-tokens), else `env_value`
     (DEEPINFER_USE_NEXTN_DECODE); None: the default (5 when the checkpoint has an MTP layer). 0 where speculative
-    decoding does not run yet (an explicit K > 0 there is a ConfigError; the variable is then ignored)."""
+    decoding does not run yet (an explicit K > 0 there is a ConfigError; the variable is then ignored). `block`:
+    the config's DSpark block size (one pass drafts that many: a larger K is a ConfigError naming where it came
+    from), 0 without DSpark."""
     blocked = ("DeepSeek-V4.1 (its DSpark drafting is not implemented yet)" if v41 else
                "several ranks" if ranks > 1 else "prefix_cache='exact' (--prefix-cache exact)" if prefix == "exact"
                else None)
     if blocked is None:
-        return explicit if explicit is not None else env_value
+        asked = explicit if explicit is not None else env_value
+        if block and asked is not None and asked > block:
+            source = f"speculative_tokens={asked}" if explicit is not None else f"DEEPINFER_USE_NEXTN_DECODE={asked}"
+            raise ConfigError(f"{source}: the checkpoint drafts with DSpark blocks of dspark_block_size={block} "
+                              f"tokens; pass at most {block}")
+        return asked
     if explicit:
         raise ConfigError(f"speculative_tokens={explicit}: speculative decoding does not run with {blocked} yet; "
                           "pass 0 (or leave it unset)")

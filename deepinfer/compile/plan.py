@@ -78,8 +78,12 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
             drafter.forward(cache, streams, ids, ids, [(draft_share(seq, 0), 0, n)], ids)
         if dspark is not None:
             share = draft_share(seq, 0)
-            dspark.read(cache, streams, ids, [(share, 0, n)])
-            dspark.draft(cache, ids, ids, [share] * n, lambda logits, i: logits.argmax(dim=-1))
+            w = cfg.sliding_window  # a step's read is every kept row of its requests (up to W each)
+            dspark.read(cache, streams, ids, [(share, s, min(w, n - s)) for s in range(0, n, w)])
+            b = cfg.dspark.block_size
+            for requests in sorted({max(1, n // b), -(-n // b)}):  # a pass runs requests x b rows: both sides of n
+                anchors = torch.zeros(requests, dtype=torch.long, device=META)
+                dspark.draft(cache, anchors, anchors, [share] * requests, lambda logits, i: logits.argmax(dim=-1))
         step = DecodeInputs(
             ids=torch.zeros(n, dtype=torch.long, device=META),
             positions=torch.zeros(n, dtype=torch.long, device=META),

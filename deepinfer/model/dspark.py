@@ -81,7 +81,8 @@ class DSparkDrafter:
               starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block pass of R requests (static shapes, no host reads: `runtime/draft_graphs.py` captures it):
         anchors, positions, their slots and the first position each window ring holds, [R] each. Returns the
-        base logits [R, block_size, V] (fp32) and the collapsed rows [R, block_size, H]."""
+        base logits [R, block_size, V] (the model's dtype: a captured bucket keeps them) and the collapsed rows
+        [R, block_size, H]."""
         model, cfg, ops, w, ds = self.model, self.model.cfg, self.model.ops, self.w, self.ds
         r, b, win, device = anchors.shape[0], ds.block_size, cfg.sliding_window, anchors.device
         ids = torch.full((r, b), ds.noise_token_id, dtype=torch.long, device=device)
@@ -114,7 +115,7 @@ class DSparkDrafter:
             streams = model.block(block, streams, attention(block, layer), ffn(block))
         hc = w.hc_head
         collapsed = ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_norm_eps)  # [R * b, H]
-        logits = ops.linear(ops.rms_norm(collapsed, w.norm, cfg.rms_norm_eps), model.weights.lm_head).float()
+        logits = ops.linear(ops.rms_norm(collapsed, w.norm, cfg.rms_norm_eps), model.weights.lm_head)
         return logits.view(r, b, -1), collapsed.view(r, b, -1)
 
     def markov(self, logits: torch.Tensor, collapsed: torch.Tensor, anchors: torch.Tensor,
@@ -125,7 +126,7 @@ class DSparkDrafter:
         tokens, embeds, prev = [], [], anchors
         for i in range(logits.shape[1]):
             embed = ops.embedding(prev, w.markov_embed)
-            prev = choose(logits[:, i] + ops.linear(embed, w.markov_head).float(), i)
+            prev = choose(logits[:, i].float() + ops.linear(embed, w.markov_head).float(), i)
             tokens.append(prev)
             embeds.append(embed)
         features = torch.cat([collapsed, torch.stack(embeds, dim=1)], dim=-1).float()

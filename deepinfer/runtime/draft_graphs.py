@@ -1,8 +1,10 @@
-"""DSpark's block pass through captured graphs: one per request-count bucket (captured the first time a pass of
-that bucket runs, into the decode graphs' memory pool), eager where the backend cannot capture (CPU).
+"""DSpark's block pass through captured graphs: one per request-count bucket, eager where the backend cannot
+capture (CPU).
 
-A pass's inputs (anchor tokens, their positions, the requests' slots and the first position each window ring
-holds) go to the device with one copy; padding rows use the cache's scratch slot and see no window. The graph
+Every bucket is captured at start (`Engine.capture_all`, through the speculator), into the decode graphs'
+memory pool; each keeps its base logits ([requests, block, V] in the model's dtype). A pass's inputs (anchor
+tokens, their positions, the requests' slots and the first position each window ring holds) go to the device
+with one copy; padding rows use the cache's scratch slot and see no window. The graph
 also runs the Markov loop for greedy drafts (argmax); a batch with sampled or biased requests redraws from the
 captured base logits eagerly (`runtime/drafters.py`)."""
 
@@ -49,9 +51,14 @@ class DSparkGraphs:
             self._passes[size] = entry
         return self._passes[size]
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (start-up), the largest first (its memory serves the smaller ones)."""
+        for size in sorted(self.buckets, reverse=True):
+            self._pass(size)
+
     @torch.inference_mode()
     def run(self, anchors: list[int], positions: list[int], shares: list[SeqCache]) -> tuple[torch.Tensor, ...]:
-        """The block pass of n requests: base logits [n, b, V], collapsed rows [n, b, H], greedy drafts [n, b] and
+        """The block pass of n requests: base logits [n, b, V] (model dtype), collapsed rows [n, b, H], greedy drafts [n, b] and
         their confidences [n, b] (views of the graph's buffers, valid until the next pass of that bucket)."""
         n = len(anchors)
         size = next((b for b in self.buckets if b >= n), None)

@@ -113,6 +113,11 @@ class DSparkDrafts:
         self.cache, self.drafter = cache, DSparkDrafter(model)
         self.graphs = DSparkGraphs(self.drafter, cache, cache.spec.max_seqs, capture) if capture else None
 
+    def capture_all(self) -> None:
+        """Capture the block pass's graphs now (start-up; nothing where it runs eagerly)."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
     def after_prefill(self, chunks, taps: torch.Tensor, sampled: dict[int, int], k: int) -> None:
         rows, positions, seqs, anchors = [], [], [], []
         for r, start, take, offset in chunks:

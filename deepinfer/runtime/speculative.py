@@ -84,7 +84,11 @@ class Speculator:
         self.costs = StepCosts(graphs.buckets if graphs is not None else (1,)) if varlen else None
 
     def profile(self) -> None:
-        """Confidence-sized verification: time each captured verify bucket now (start-up)."""
+        """Start-up: the drafter's graphs captured (DSpark); confidence-sized verification: each captured verify
+        bucket timed."""
+        ready = getattr(self.drafts, "capture_all", None)
+        if ready is not None:
+            ready()
         graphs = getattr(self.steps, "graphs", None)
         if self.costs is not None and graphs is not None:
             self.costs.profile(graphs.replays())

@@ -93,9 +93,11 @@ def test_config_reads_the_dspark_keys():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"dspark_target_layer_ids": [1, 5]}, r"dspark_target_layer_ids must list target layers in \[0, 5\), got \[1, 5\]"),
+    ({"dspark_target_layer_ids": [1, 5]}, r"dspark_target_layer_ids must list target layers in \[0, 5\), .*got \[1, 5\]"),
     ({"dspark_target_layer_ids": [-1]}, r"dspark_target_layer_ids .*got \[-1\]"),
     ({"dspark_target_layer_ids": []}, r"dspark_target_layer_ids .*got \[\]"),
+    ({"dspark_target_layer_ids": [4, 1, 3]}, r"dspark_target_layer_ids .*increasing .*got \[4, 1, 3\]"),
+    ({"dspark_target_layer_ids": [1, 1, 3]}, r"dspark_target_layer_ids .*increasing .*got \[1, 1, 3\]"),
     ({"num_nextn_predict_layers": 0, "compress_ratios": [0, 4, 128, 4, 128]},
      r"dspark_block_size 4 needs .*num_nextn_predict_layers must be >= 1.*got 0"),
     ({"dspark_noise_token_id": 512}, r"dspark_noise_token_id 512 is not a token id \(vocab_size 512\)"),
@@ -244,8 +246,13 @@ def test_llm_speculative_tokens_on_a_dspark_checkpoint(dspark_dir, monkeypatch):
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)
     with pytest.raises(ConfigError, match=r"speculative_tokens=5: .*dspark_block_size=4 tokens; pass at most 4"):
         _llm(dspark_dir, speculative_tokens=5)
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "6")  # refused before anything loads, naming the variable
+    with pytest.raises(ConfigError, match=r"DEEPINFER_USE_NEXTN_DECODE=6: .*pass at most 4"):
+        _llm(dspark_dir)
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
     llm = _llm(dspark_dir)  # the default: min(5, dspark_block_size)
     assert llm.speculative_tokens == 4 and llm.engine.speculator is not None
+    assert llm.cache.spec.lookahead == 4  # rings and graphs sized for the block, not for 5
     assert llm.model.weights.dspark is not None and llm.model.weights.draft_layers == 2
     assert "4 DSpark drafts" in llm.describe()
     off = _llm(dspark_dir, speculative_tokens=0)
