@@ -23,7 +23,7 @@ from deepinfer.serving.api_requests import APIError, APIRequest, convert
 from deepinfer.serving.recipe import SERVED_MODEL_NAME, Recipe, tokenizer_path
 from deepinfer.runtime.request import Request, RequestFailure, RequestOutput
 from deepinfer.runtime.sampling import SamplingParams, request_seed
-from deepinfer.options import (DEFAULT_DRAFT_TOKENS, check_options, draft_tokens, model_len, resolve_dtype,
+from deepinfer.options import (check_options, default_draft_tokens, draft_tokens, model_len, resolve_dtype,
                                speculative_request)
 from deepinfer.prompt_items import Prepared, PromptInput, conversations, expand_params, prepare, prompt_list
 
@@ -135,8 +135,7 @@ class LLM:
                              quantization, show_progress, batch_invariant=self.batch_invariant,
                              prefix_cache=self.prefix_cache,
                              draft_layers=(cfg.num_nextn_predict_layers if cfg.dspark else 1) if drafts != 0 and mtp else 0,
-                             lookahead=(min(DEFAULT_DRAFT_TOKENS, block or DEFAULT_DRAFT_TOKENS) if drafts is None
-                                        else drafts) if mtp else 0)
+                             lookahead=(default_draft_tokens(block) if drafts is None else drafts) if mtp else 0)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
         else:

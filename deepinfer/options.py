@@ -189,7 +189,7 @@ def draft_tokens(requested: int | None, explicit: bool, mtp_layers: int, model: 
     drafts that many: the default is cut to it, a larger K is a ConfigError)."""
     if mtp_layers:
         if requested is None:
-            return min(DEFAULT_DRAFT_TOKENS, block or DEFAULT_DRAFT_TOKENS)
+            return default_draft_tokens(block)
         if block and requested > block:
             raise ConfigError(f"speculative_tokens={requested}: {model} drafts with DSpark blocks of "
                               f"dspark_block_size={block} tokens; pass at most {block}")
@@ -201,3 +201,8 @@ def draft_tokens(requested: int | None, explicit: bool, mtp_layers: int, model: 
 
 
 DEFAULT_DRAFT_TOKENS = 5  # DEEPINFER_USE_NEXTN_DECODE's default in the product
+
+
+def default_draft_tokens(block: int = 0) -> int:
+    """Draft tokens per step when none are asked for: 5, cut to DSpark's `block` size (0: no DSpark)."""
+    return min(DEFAULT_DRAFT_TOKENS, block or DEFAULT_DRAFT_TOKENS)

@@ -84,7 +84,7 @@ class DeepseekV4:
         logits = self.head(streams, logit_rows)
         for seq, _, length in seqs:
             seq.num_tokens += length
-        return (logits, torch.cat(taps, dim=-1) if taps else streams) if hidden else logits
+        return (logits, self._for_drafter(streams, taps)) if hidden else logits
 
     @torch.inference_mode()
     def decode(self, cache: PagedCache, inp: DecodeInputs, hidden: bool = False):
@@ -103,7 +103,12 @@ class DeepseekV4:
         taps = [] if hidden else None
         streams = self.blocks(inp.ids, attend, taps)
         logits = self.head(streams, None)
-        return (logits, torch.cat(taps, dim=-1) if taps else streams) if hidden else logits
+        return (logits, self._for_drafter(streams, taps)) if hidden else logits
+
+    @staticmethod
+    def _for_drafter(streams: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
+        """What the drafter reads of the rows: DSpark's tapped streams concatenated, else the final streams."""
+        return torch.cat(taps, dim=-1) if taps else streams
 
     def _gathered(self, attention: torch.Tensor) -> torch.Tensor:
         """The attention output summed over the tensor-parallel ranks' heads (as is on one rank)."""

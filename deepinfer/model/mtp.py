@@ -71,8 +71,10 @@ class MTPDrafter:
 
 
 def draft_share(seq: SeqCache, start: int) -> SeqCache:
-    """The draft layers' share of a sequence's slot, starting (empty window) at position `start`."""
-    seq.draft = SeqCache(slot=seq.slot, num_tokens=start, window_start=start)
+    """The draft layers' share of a sequence's slot at position `start`: the share it has when its count is there,
+    else a new one (empty window) starting at `start` (a first prefill, a preemption, a prefix hit)."""
+    if seq.draft is None or seq.draft.num_tokens != start:
+        seq.draft = SeqCache(slot=seq.slot, num_tokens=start, window_start=start)
     return seq.draft
 
 

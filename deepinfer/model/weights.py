@@ -234,11 +234,12 @@ class ModelWeights:
         t, dtype = tensors, tensors["embed_tokens.weight"].dtype
         layers = [layer_weights(t, f"layers.{i}.", cfg.layer_types[i], dtype) for i in range(cfg.num_hidden_layers)]
         mtp, dspark = [], None
-        if check_mtp(cfg, tensors) and cfg.dspark is not None:
+        drafter = check_mtp(cfg, tensors)
+        if drafter and cfg.dspark is not None:
             from deepinfer.model.dspark_weights import DSparkWeights
 
             dspark = DSparkWeights.from_tensors(cfg, t, dtype)
-        elif check_mtp(cfg, tensors):
+        elif drafter:
             for j in range(cfg.num_nextn_predict_layers):
                 p = f"mtp.{j}."
                 mtp.append(MTPLayer(

@@ -17,7 +17,7 @@ import torch
 
 from deepinfer.model.dspark import DSparkDrafter
 from deepinfer.runtime.cache import PagedCache, SeqCache
-from deepinfer.runtime.graph import batch_buckets
+from deepinfer.runtime.graph import batch_buckets, bucket_for
 from deepinfer.runtime.staging import InputStage
 
 
@@ -61,7 +61,7 @@ class DSparkGraphs:
         """The block pass of n requests: base logits [n, b, V] (model dtype), collapsed rows [n, b, H], greedy drafts [n, b] and
         their confidences [n, b] (views of the graph's buffers, valid until the next pass of that bucket)."""
         n = len(anchors)
-        size = next((b for b in self.buckets if b >= n), None)
+        size = bucket_for(self.buckets, n)
         if size is None:
             raise ValueError(f"a DSpark pass of {n} requests: the graphs hold at most {self.buckets[-1]}")
         entry = self._pass(size)

@@ -38,9 +38,7 @@ class MTPDrafts:
     def after_prefill(self, chunks, streams: torch.Tensor, sampled: dict[int, int], k: int) -> None:
         rows, next_ids, positions, seqs, last = [], [], [], [], []
         for r, start, take, offset in chunks:
-            share = r.cache.draft
-            if share is None or share.num_tokens != start:
-                share = draft_share(r.cache, start)
+            share = draft_share(r.cache, start)
             nxt = r.prefill_ids[start + 1 : start + take + 1]
             if len(nxt) < take:  # the chunk ends the prefill: its last row's next token is the newest one
                 nxt.append(sampled.get(r.index, r.generated[-1] if r.generated else 0))
@@ -55,9 +53,7 @@ class MTPDrafts:
     def after_verify(self, live, streams: torch.Tensor, k: int) -> None:
         rows, next_ids, positions, seqs, last = [], [], [], [], []
         for r, base, n, start in live:
-            share = r.cache.draft
-            if share is None or share.num_tokens != base:
-                share = draft_share(r.cache, base)
+            share = draft_share(r.cache, base)
             seqs.append((share, len(rows), n))
             rows.extend(range(start, start + n))
             next_ids.extend(r.generated[-n:])  # the tokens after the kept rows: what the step appended
@@ -121,7 +117,7 @@ class DSparkDrafts:
     def after_prefill(self, chunks, taps: torch.Tensor, sampled: dict[int, int], k: int) -> None:
         rows, positions, seqs, anchors = [], [], [], []
         for r, start, take, offset in chunks:
-            seqs.append((self._share(r, start), len(rows), take))
+            seqs.append((draft_share(r.cache, start), len(rows), take))
             rows.extend(range(offset, offset + take))
             positions.extend(range(start, start + take))
             if start + take == r.num_prefill:  # the prefill is in: its new token is the anchor
@@ -132,16 +128,11 @@ class DSparkDrafts:
     def after_verify(self, live, taps: torch.Tensor, k: int) -> None:
         rows, positions, seqs = [], [], []
         for r, base, n, start in live:
-            seqs.append((self._share(r, base), len(rows), n))
+            seqs.append((draft_share(r.cache, base), len(rows), n))
             rows.extend(range(start, start + n))
             positions.extend(range(base, base + n))
         self._read(rows, positions, seqs, taps)
         self._draft([(r, r.generated[-1], base + n) for r, base, n, _ in live], k)
-
-    @staticmethod
-    def _share(r: Request, start: int):
-        share = r.cache.draft
-        return share if share is not None and share.num_tokens == start else draft_share(r.cache, start)
 
     def _read(self, rows, positions, seqs, taps: torch.Tensor) -> None:
         if rows:
@@ -166,21 +157,26 @@ class DSparkDrafts:
                                                     torch.tensor(positions, device=device), shares, choose)
         else:
             logits, collapsed, tokens, confidence = self.graphs.run(ids, positions, shares)
-            features = Features.of([r.params for r in reqs])
-            if features.sampled or features.bias:  # the greedy drafts do not hold: redraw from the base logits
+            if not greedy(reqs):  # the graph's greedy drafts do not hold: redraw from the base logits
                 tokens, confidence = self.drafter.markov(logits, collapsed, torch.tensor(ids, device=device),
                                                          choose)
         for r, d, c in zip(reqs, tokens[:, :k].tolist(), confidence[:, :k].tolist()):
             r.drafts, r.confidence = d, c
 
 
+def greedy(reqs: list[Request]) -> bool:
+    """Whether every request's draft is the argmax (no sampled request, no logit bias; penalties do not apply)."""
+    features = Features.of([r.params for r in reqs])
+    return not (features.sampled or features.bias)
+
+
 def draws(reqs: list[Request], logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """A draft token per request at `positions` from draft logits [R, V]: as the target will draw there (argmax
     for greedy rows; the same (seed, position) uniform for sampled ones), without the penalties."""
+    if greedy(reqs):
+        return logits.argmax(dim=-1)
     params = [r.params for r in reqs]
     features = Features.of(params)
-    if not (features.sampled or features.bias):
-        return logits.argmax(dim=-1)
     features = Features(bias=features.bias, penalties=False, sampled=features.sampled, filtered=features.filtered)
     return select_tokens(logits, pack(params, [r.seed for r in reqs], positions, logits.shape[-1], logits.device),
                          None, features)

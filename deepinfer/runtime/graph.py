@@ -28,6 +28,11 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
 
 
+def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of the (increasing) `buckets` holding n rows; None past the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
 STAGED = 4  # staged input rows: ids, positions, slots, and the rows of device ids (`DeviceIds.rows`)
 
 
@@ -69,7 +74,10 @@ class DecodeGraphs:
         self.last_streams: torch.Tensor | None = None  # the last step's rows' streams (`hidden`)
 
     def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+        size = bucket_for(self.buckets, n)
+        if size is None:
+            raise ValueError(f"a decode step of {n} rows: the graphs hold at most {self.buckets[-1]}")
+        return size
 
     def capture_all(self) -> list[torch.Tensor]:
         """Capture every bucket now, the largest first (its memory serves the smaller ones from the shared pool);

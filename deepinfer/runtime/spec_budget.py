@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from deepinfer.runtime.graph import bucket_for
+
 
 def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], float],
                   steps: Sequence[int] | None = None) -> list[int]:
@@ -80,7 +82,7 @@ class StepCosts:
         return tuple(sorted(self.device)) if self.device else None
 
     def bucket(self, rows: int) -> int:
-        return next((b for b in self.buckets if b >= rows), self.buckets[-1])
+        return bucket_for(self.buckets, rows) or self.buckets[-1]
 
     def record(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)
