@@ -127,9 +127,10 @@ class LLM:
         self.prefix_cache = PrefixMode("off" if v41 else prefix_cache or ("exact" if self.batch_invariant
                                                                            else "approximate"),
                                        env.swa_replay_tokens)
-        mtp = not v41 and cfg.has_mtp  # what the cache is sized for (the loaded layers decide in assemble_v4)
+        # what the cache is sized for (V4: the loaded layers decide in assemble_v4; V4.1 drafts with DSpark only)
+        mtp = (cfg.dspark is not None and cfg.num_nextn_predict_layers > 0) if v41 else cfg.has_mtp
         block = cfg.dspark.block_size if mtp and cfg.dspark else 0  # DSpark: K at most its block
-        drafts = speculative_request(speculative_tokens, env.nextn_decode, v41=v41, ranks=self.parallel.world,
+        drafts = speculative_request(speculative_tokens, env.nextn_decode, ranks=self.parallel.world,
                                      prefix=self.prefix_cache.mode, block=block)  # None: the default
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
@@ -147,9 +148,8 @@ class LLM:
         self.grammars = Grammars(self.recipe.path, cfg.vocab_size, cfg.eos_token_ids, self.recipe.is_v41,
                                  self.recipe.special_token_id(THINK_END))
         self.served_names = (SERVED_MODEL_NAME,) + ((self.model_dir.name,) if self.model_dir is not None else ())
-        self.speculative_tokens = draft_tokens(drafts, speculative_tokens is not None, 0 if v41 else
-                                               self.model.weights.draft_layers, str(self.model_dir or "the tiny "
-                                               "random model"), block)
+        self.speculative_tokens = draft_tokens(drafts, speculative_tokens is not None, self.model.weights.draft_layers,
+                                               str(self.model_dir or "the tiny random model"), block)
         self.engine = Engine(built.steps, self.cache, SchedulerConfig(max_num_seqs, max_prefill_tokens, async_scheduling),
                              self.grammars, max_len=self.max_model_len, speculator=speculator(
                                  built.steps, self.speculative_tokens,

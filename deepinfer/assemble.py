@@ -252,8 +252,13 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     keep = opts.quantization == "auto"
     weights_size = v41_weight_bytes(cfg, dtype, keep)
 
+    ahead = opts.lookahead if opts.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
+
+    def unit(spec) -> tuple[int, int]:
+        return unit_bytes(cfg, spec.max_tokens, spec.block_tokens, dtype, spec.lookahead, spec.draft_layers)
+
     def cache_bytes(spec) -> int:
-        block, slot = unit_bytes(cfg, spec.max_tokens, spec.block_tokens, dtype)
+        block, slot = unit(spec)
         return (spec.num_blocks + 1) * block + (spec.max_seqs + 1) * slot  # + the scratch block and slot
 
     _fit(cfg, dtype, backend, opts, weights_size, cache_bytes)
@@ -269,8 +274,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
-                      opts.gpu_memory_utilization,
-                      unit=lambda probe: unit_bytes(cfg, probe.max_tokens, probe.block_tokens, dtype))
+                      opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead)
     cache = V41SlotCache(cfg, spec, dtype, backend.device)
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
     kept = keep and quantization_config(cfg.raw) is not None

@@ -38,8 +38,8 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
     `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
     enough for every slot at full length. `unit(spec)` -> (bytes per block, bytes per slot) of the model's
     cache (default: V4's `CacheLayout`). `snapshots`: sliding-window snapshots to keep (exact prefix caching;
-    V4's layout only), taken out of the memory budget first; `draft_layers`: MTP layers' window rings per slot
-    (speculative decoding; V4's layout only); `lookahead`: ring rows for verify rows a sequence may not keep."""
+    V4's layout only), taken out of the memory budget first; `draft_layers`: draft layers' window rings per slot
+    (speculative decoding); `lookahead`: ring rows for verify rows a sequence may not keep."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
@@ -160,15 +160,14 @@ def tiny_weight_bytes(cfg: ModelConfig, dtype: torch.dtype, share=None) -> int:
                    for name, spec in tensor_specs(cfg).items()))
 
 
-def speculative_request(explicit: int | None, env_value: int | None, *, v41: bool, ranks: int, prefix: str,
+def speculative_request(explicit: int | None, env_value: int | None, *, ranks: int, prefix: str,
                         block: int = 0) -> int | None:
     """The draft tokens per step asked for: `explicit` (LLM / --speculative-tokens), else `env_value`
     (DEEPINFER_USE_NEXTN_DECODE); None: the default (5 when the checkpoint has an MTP layer). 0 where speculative
     decoding does not run yet (an explicit K > 0 there is a ConfigError; the variable is then ignored). `block`:
     the config's DSpark block size (one pass drafts that many: a larger K is a ConfigError naming where it came
     from), 0 without DSpark."""
-    blocked = ("DeepSeek-V4.1 (its DSpark drafting is not implemented yet)" if v41 else
-               "several ranks" if ranks > 1 else "prefix_cache='exact' (--prefix-cache exact)" if prefix == "exact"
+    blocked = ("several ranks" if ranks > 1 else "prefix_cache='exact' (--prefix-cache exact)" if prefix == "exact"
                else None)
     if blocked is None:
         asked = explicit if explicit is not None else env_value

@@ -113,3 +113,10 @@ def chat_tokenizer(tmp: Path) -> Path:
     path = tmp / "v41-tokenizer.json"
     path.write_text(json.dumps(data))
     return path
+
+
+
+def dspark_model_dir(tmp: Path, tokenizer=None) -> Path:
+    """Fixture `dspark` (config b with two DSpark draft blocks: block 4, taps of layers 4, 6 and 7, 4 experts of
+    which 2 active, Markov rank 16; tools/v41_reference/run_tiny.py --dspark) with `tokenizer` beside it."""
+    return model_dir(tmp, "dspark", tokenizer)

@@ -1,7 +1,8 @@
 """The kernels a DeepSeek-V4.1 model needs, derived as V4's are (`plan`): the model's `forward` runs on meta
 tensors through every op's own `run` with a recording launcher, a prefill of n tokens and a decode step of n
 sequences `context` positions deep for each traced row count n. The Engram hasher gets a stand-in class map
-(the hashes are values; the kernels they launch depend only on shapes)."""
+(the hashes are values; the kernels they launch depend only on shapes). With DSpark draft blocks, the drafter's
+read of the prefilled rows and its block passes (`trace_v41`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,24 @@ def trace_v41(cfg: V41Config, dtype: torch.dtype, launcher, rows: tuple[int, ...
     from deepinfer.model.v41 import DeepseekV41
     from deepinfer.model.v41_cache import V41Cache
     from deepinfer.model.v41_compress import Chunk
+    from deepinfer.model.v41_dspark import V41DSparkDrafter
+    from deepinfer.runtime.blocks import SeqCache
     from tilekernels.kernels import table
 
     model = DeepseekV41(cfg, meta_weights_v41(cfg, dtype, quantized), table(launcher), stand_in_hasher(cfg))
+    drafter = V41DSparkDrafter(model) if model.weights.dspark is not None else None
     for n in rows:  # a prefill of n tokens: the row-wise ops (projections, MoE, mHC, head) at n rows, as a decode
-        cache = V41Cache.empty(cfg, 1, max(n, context + 1), dtype, META)  # batch of n sequences runs them
+        cache = V41Cache.empty(cfg, 1, max(n, context + 1), dtype, META,  # batch of n sequences runs them
+                               draft_layers=model.weights.draft_layers)
         rows_n = torch.zeros(n, dtype=torch.long, device=META)  # logits of every row: the LM head at n rows too
-        model.forward(cache, rows_n, [Chunk(0, 0, n, 0)], logit_rows=rows_n)
+        out = model.forward(cache, rows_n, [Chunk(0, 0, n, 0)], logit_rows=rows_n, hidden=drafter is not None)
+        if drafter is not None:  # DSpark: its read of n kept rows (up to W a request) and passes of n / b requests
+            share, w, b = SeqCache(slot=0, num_tokens=0, window_start=0), cfg.sliding_window, cfg.dspark.block_size
+            drafter.read(cache, out[1], rows_n, [(share, s, min(w, n - s)) for s in range(0, n, w)])
+            for requests in sorted({max(1, n // b), -(-n // b)}):  # a pass runs requests x b rows: both sides of n
+                anchors = torch.zeros(requests, dtype=torch.long, device=META)
+                drafter.markov(*drafter.block(cache, anchors, anchors, anchors, anchors), anchors,
+                               lambda logits, i: logits.argmax(dim=-1))
     # the per-sequence ops (window, compression, indexer, attention) of decode: one row per sequence whatever the
     # batch (traced at two sequences: tracing each of n sequences on meta tensors costs seconds and adds nothing)
     cache = V41Cache.empty(cfg, 2, context + 1, dtype, META)

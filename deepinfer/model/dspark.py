@@ -32,7 +32,54 @@ if TYPE_CHECKING:
 Chunks = list[tuple[SeqCache, int, int]]
 
 
-class DSparkDrafter:
+def kept_rows(seqs: Chunks, window: int) -> tuple[list[int], list[int]]:
+    """The rows of `seqs` (draft share, first row, rows) a drafter's window rings keep (each chunk's last `window`)
+    and their slots; advances the shares' counts by every row."""
+    rows, slots = [], []
+    for share, first, n in seqs:
+        keep = range(first + max(0, n - window), first + n)
+        rows.extend(keep)
+        slots.extend([share.slot] * len(keep))
+        share.num_tokens += n
+    return rows, slots
+
+
+def pass_index(positions: torch.Tensor, starts: torch.Tensor, window: int, block: int) -> tuple[torch.Tensor, ...]:
+    """A block pass's pool rows for R requests whose anchors sit at `positions` [R], each ring holding positions
+    from `starts` [R]: every request's pool is its W window rows then its block's rows. -> (the window positions
+    [R, W], each row's pool row list [R * block, W + block], -1 where the ring holds no position)."""
+    r, device = positions.shape[0], positions.device
+    held = positions.view(r, 1) + torch.arange(-window, 0, device=device)
+    base = torch.arange(r, device=device).view(r, 1) * (window + block)
+    listed = torch.cat([torch.where(held >= starts.view(r, 1), base + torch.arange(window, device=device), -1),
+                        base + window + torch.arange(block, device=device)], dim=1)
+    return held, listed.repeat_interleave(block, dim=0)  # every row of its request
+
+
+class BlockDrafter:
+    """What DSpark's drafters share (V4's below, V4.1's in `model/v41_dspark.py`): a pass per request from its
+    `block` and the Markov head's drafts (`markov`)."""
+
+    @torch.inference_mode()
+    def draft(self, cache, anchors: torch.Tensor, positions: torch.Tensor, shares: list[SeqCache],
+              choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass per request: `anchors` [R] (the newest tokens) at `positions` [R], each share holding the
+        positions before. `choose(logits [R, V], i)` picks draft i from its corrected logits. Returns the drafts
+        [R, block_size] and their confidences [R, block_size] (fp32)."""
+        device = anchors.device
+        slots = torch.tensor([s.slot for s in shares], device=device)
+        starts = torch.tensor([s.window_start for s in shares], device=device)
+        return self.markov(*self.block(cache, anchors, positions, slots, starts), anchors, choose)
+
+    def markov(self, logits: torch.Tensor, collapsed: torch.Tensor, anchors: torch.Tensor,
+               choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts in order from `block`'s outputs and their confidences (`markov_drafts`)."""
+        w = self.w
+        return markov_drafts(self.model.ops, w.markov_embed, w.markov_head, w.confidence, logits, collapsed, anchors,
+                             choose)
+
+
+class DSparkDrafter(BlockDrafter):
     """The DSpark drafter of a `DeepseekV4` loaded with `weights.dspark`."""
 
     def __init__(self, model: DeepseekV4):
@@ -48,12 +95,7 @@ class DSparkDrafter:
         rows), each chunk continuing its share's count. Writes the last `sliding_window` rows of each chunk into
         every block's window ring (earlier ones would be overwritten); advances the counts."""
         cfg, ops, w, eps = self.model.cfg, self.model.ops, self.w, self.model.cfg.rms_norm_eps
-        rows, slots = [], []
-        for share, first, n in seqs:
-            keep = range(first + max(0, n - cfg.sliding_window), first + n)
-            rows.extend(keep)
-            slots.extend([share.slot] * len(keep))
-            share.num_tokens += n
+        rows, slots = kept_rows(seqs, cfg.sliding_window)
         if not rows:
             return
         device = taps.device
@@ -66,17 +108,6 @@ class DSparkDrafter:
             kv = ops.rope(kv, rotated, rope.inv_freq, rope.attention_factor)
             layer.pool[layer.layout.window_rows(slot, pos)] = kv.to(layer.pool.dtype)
 
-    @torch.inference_mode()
-    def draft(self, cache: PagedCache, anchors: torch.Tensor, positions: torch.Tensor, shares: list[SeqCache],
-              choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass per request: `anchors` [R] (the newest tokens) at `positions` [R], each share holding the
-        positions before. `choose(logits [R, V], i)` picks draft i from its corrected logits. Returns the drafts
-        [R, block_size] and their confidences [R, block_size] (fp32)."""
-        device = anchors.device
-        slots = torch.tensor([s.slot for s in shares], device=device)
-        starts = torch.tensor([s.window_start for s in shares], device=device)
-        return self.markov(*self.block(cache, anchors, positions, slots, starts), anchors, choose)
-
     def block(self, cache: PagedCache, anchors: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
               starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block pass of R requests (static shapes, no host reads: `runtime/draft_graphs.py` captures it):
@@ -88,12 +119,8 @@ class DSparkDrafter:
         ids = torch.full((r, b), ds.noise_token_id, dtype=torch.long, device=device)
         ids[:, 0] = anchors
         rotated = (positions.view(r, 1) + torch.arange(b, device=device)).view(-1).to(torch.int32)
-        # each request's pool: its window (W rows, -1 where it holds no position) then its block's b rows
-        window = positions.view(r, 1) + torch.arange(-win, 0, device=device)
-        base = torch.arange(r, device=device).view(r, 1) * (win + b)
-        listed = torch.cat([torch.where(window >= starts.view(r, 1), base + torch.arange(win, device=device), -1),
-                            base + win + torch.arange(b, device=device)], dim=1)
-        listed = listed.repeat_interleave(b, dim=0).to(torch.int32)  # [R * b, W + b]: every row of its request
+        window, listed = pass_index(positions, starts, win, b)
+        listed = listed.to(torch.int32)
 
         def attention(block, layer) -> Callable[[torch.Tensor], torch.Tensor]:
             ring = layer.pool[layer.layout.window_rows(slots.view(r, 1), window.clamp(min=0))]  # [R, W, D]
@@ -118,17 +145,17 @@ class DSparkDrafter:
         logits = ops.linear(ops.rms_norm(collapsed, w.norm, cfg.rms_norm_eps), model.weights.lm_head)
         return logits.view(r, b, -1), collapsed.view(r, b, -1)
 
-    def markov(self, logits: torch.Tensor, collapsed: torch.Tensor, anchors: torch.Tensor,
-               choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafts in order from `block`'s outputs: draft i from base row i plus the Markov head's bias for the
-        token before it (the anchor for the first), picked by `choose`; and each draft's confidence."""
-        ops, w = self.model.ops, self.w
-        tokens, embeds, prev = [], [], anchors
-        for i in range(logits.shape[1]):
-            embed = ops.embedding(prev, w.markov_embed)
-            prev = choose(logits[:, i].float() + ops.linear(embed, w.markov_head).float(), i)
-            tokens.append(prev)
-            embeds.append(embed)
-        features = torch.cat([collapsed, torch.stack(embeds, dim=1)], dim=-1).float()
-        confidence = torch.sigmoid(features @ w.confidence.float().view(-1))
-        return torch.stack(tokens, dim=1), confidence
+def markov_drafts(ops, embed_table: torch.Tensor, head: torch.Tensor, confidence: torch.Tensor, logits: torch.Tensor,
+                  collapsed: torch.Tensor, anchors: torch.Tensor,
+                  choose: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DSpark's heads over a block pass (V4 and V4.1): draft i from base logits row i [R, b, V] plus the Markov
+    head's bias for the token before it (the anchor for the first), picked by `choose`; each draft's confidence
+    `sigmoid(confidence . [collapsed row i ; markov_embed[t_i]])` in fp32 -> drafts [R, b], confidences [R, b]."""
+    tokens, embeds, prev = [], [], anchors
+    for i in range(logits.shape[1]):
+        embed = ops.embedding(prev, embed_table)
+        prev = choose(logits[:, i].float() + ops.linear(embed, head).float(), i)
+        tokens.append(prev)
+        embeds.append(embed)
+    features = torch.cat([collapsed, torch.stack(embeds, dim=1)], dim=-1).float()
+    return torch.stack(tokens, dim=1), torch.sigmoid(features @ confidence.float().view(-1))

@@ -28,7 +28,7 @@ from deepinfer.model.v41_attention import LayerContext, attention
 from deepinfer.model.v41_cache import V41Cache
 from deepinfer.model.v41_compress import Chunk, Published
 from deepinfer.model.v41_decode import DecodeBatch
-from deepinfer.model.v41_weights import Engram41, V41Weights
+from deepinfer.model.v41_weights import Engram41, Layer41, V41Weights
 from tilekernels import OpTable
 
 ENGRAM_DTYPE = torch.bfloat16  # the reference feeds the Engram projection bf16 rows (exact for FP8 tables)
@@ -61,12 +61,17 @@ class DeepseekV41:
         main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device), cfg.rope_main.attention_factor)
         comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device),
                           cfg.rope_compress.attention_factor)
+        self.main_rope = main  # ratio-0 layers and the DSpark blocks
         self._ctx = [LayerContext.build(cfg, ops, i, main, comp) for i in range(cfg.num_hidden_layers)]
         self._swiglu_limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else math.inf  # 0 means no clamp
 
     @property
     def dtype(self) -> torch.dtype:
         return self.weights.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
 
     def new_cache(self, slots: int, max_len: int, packed: bool = True) -> V41Cache:
         return V41Cache.empty(self.cfg, slots, max_len, self.dtype, self.weights.embed.device, packed=packed)
@@ -87,9 +92,10 @@ class DeepseekV41:
 
     @torch.inference_mode()
     def forward(self, cache: V41Cache, ids: torch.Tensor, chunks: list[Chunk],
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, hidden: bool = False):
         """ids [N] holds every chunk's rows; returns fp32 logits of `logit_rows` (default: each chunk's last row)
-        and advances the sequences' token counts."""
+        and advances the sequences' token counts. `hidden`: (logits, taps): also every row's input streams of the
+        DSpark target layers, mean over the mHC copies, concatenated [N, taps * H] (`_layers`)."""
         slots = [ch.slot for ch in chunks]
         starts = list(itertools.accumulate((ch.length for ch in chunks[:-1]), initial=0))
         if [ch.start for ch in chunks] != starts or sum(ch.length for ch in chunks) != ids.shape[0]:
@@ -109,43 +115,67 @@ class DeepseekV41:
             # the indexers score every entry a slot can hold (masked past each sequence's own), as a captured step
             # must: eager and replayed steps launch the same kernels on the same shapes
             step = DecodeBatch(torch.tensor(slots, device=ids.device), pos, cache.max_len - 1)
-            logits = self.decode_step(cache, ids, step)
+            out = self.decode_step(cache, ids, step, hidden)
             if logit_rows is not None:
-                logits = logits[logit_rows]
+                out = (out[0][logit_rows], out[1]) if hidden else out[logit_rows]
         else:
-            logits = self._layers(cache, ids, pos, chunks, self._engram_rows(cache, ids, chunks), logit_rows)
+            out = self._layers(cache, ids, pos, chunks, self._engram_rows(cache, ids, chunks), logit_rows, hidden)
         for ch in chunks:
             cache.num_tokens[ch.slot] += ch.length
-        return logits
+        return out
 
-    def decode_step(self, cache: V41Cache, ids: torch.Tensor, step: DecodeBatch) -> torch.Tensor:
-        """One token per sequence -> fp32 logits [B, V], tensor work only: no checks, no host reads, the token
-        counts untouched (what a decode graph captures; `forward` checks and counts)."""
+    def decode_step(self, cache: V41Cache, ids: torch.Tensor, step: DecodeBatch, hidden: bool = False):
+        """One token per row -> fp32 logits [B, V] (with `hidden`, and the taps: `forward`), tensor work only: no
+        checks, no host reads, the token counts untouched (what a decode graph captures; `forward` checks and
+        counts). Rows may continue one sequence at consecutive positions (a speculative verify step): each row
+        writes its state before any row reads (`v41_decode`), within the cache's lookahead."""
         rows = None if self.hasher is None else self._ngram_rows(cache, ids, step.slot, step.t, 1)
-        return self._layers(cache, ids, step.t, step, rows, None)
+        return self._layers(cache, ids, step.t, step, rows, None, hidden)
+
+    def block(self, layer: Layer41, h: torch.Tensor, pre: torch.Tensor, attend, top_k: int):
+        """One block with mHC "single pass": h [N, hc, H] streams, `pre` [N, hc] the mix collapsing them for its
+        attention (the previous block's FFN computed it), `attend(x)` its attention -> (streams, the mix for the
+        next block)."""
+        cfg, ops = self.cfg, self.ops
+        eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        hc = layer.attn_hc
+        attn_pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
+        a = ops.rms_norm(ops.hc_collapse(h, pre), layer.attn_norm, eps)
+        h = ops.hc_post(h, attend(a), post, comb)
+        hc = layer.ffn_hc
+        pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
+        f = ops.rms_norm(ops.hc_collapse(h, attn_pre), layer.ffn_norm, eps)
+        f = moe(ops, layer.moe, f, top_k, cfg.scoring_func, cfg.routed_scaling_factor, self._swiglu_limit)
+        return ops.hc_post(h, f, post, comb), pre
+
+    def streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded ids [N] as hc_mult copies [N, hc, H] and the starting pre mix (one-hot on copy 0)."""
+        x = self.ops.embedding(ids, self.weights.embed)
+        pre = torch.zeros(x.shape[0], self.cfg.hc_mult, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0
+        return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous(), pre
 
     def _layers(self, cache: V41Cache, ids: torch.Tensor, pos: torch.Tensor, chunks: list[Chunk] | DecodeBatch,
-                engram_rows: torch.Tensor | None, logit_rows: torch.Tensor | None) -> torch.Tensor:
-        cfg, ops, w = self.cfg, self.ops, self.weights
-        eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
-        x = ops.embedding(ids, w.embed)
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        pre = torch.zeros(x.shape[0], cfg.hc_mult, dtype=torch.float32, device=x.device)
-        pre[:, 0] = 1.0
+                engram_rows: torch.Tensor | None, logit_rows: torch.Tensor | None, hidden: bool = False):
+        cfg, w = self.cfg, self.weights
+        h, pre = self.streams(ids)
         shared = Published()
+        targets = cfg.dspark.target_layer_ids if hidden and cfg.dspark is not None else ()
+        taps = []
         for i, layer in enumerate(w.layers):
             if layer.engram is not None:
                 h = self._engram(layer.engram, h, engram_rows[:, cfg.engram.layer_ids.index(i)])
-            hc = layer.attn_hc
-            attn_pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
-            a = ops.rms_norm(ops.hc_collapse(h, pre), layer.attn_norm, eps)
-            h = ops.hc_post(h, attention(self._ctx[i], layer, cache, chunks, a, pos, shared), post, comb)
-            hc = layer.ffn_hc
-            pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
-            f = ops.rms_norm(ops.hc_collapse(h, attn_pre), layer.ffn_norm, eps)
-            f = moe(ops, layer.moe, f, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
-                    self._swiglu_limit)
-            h = ops.hc_post(h, f, post, comb)
+            if i in targets:  # DSpark reads the input streams of its target layers (after the Engram)
+                taps.append(h.mean(dim=1))
+            h, pre = self.block(layer, h, pre, lambda a, i=i, layer=layer: attention(
+                self._ctx[i], layer, cache, chunks, a, pos, shared), cfg.num_experts_per_tok)
+        logits = self._head(h, pre, chunks, logit_rows)
+        if not hidden:
+            return logits
+        return logits, torch.cat(taps, dim=-1) if taps else h.new_zeros((h.shape[0], 0))
+
+    def _head(self, h: torch.Tensor, pre: torch.Tensor, chunks, logit_rows) -> torch.Tensor:
+        ops, w, eps = self.ops, self.weights, self.cfg.rms_norm_eps
         if isinstance(chunks, DecodeBatch):
             logit_rows = slice(None)
         elif logit_rows is None:
@@ -180,14 +210,20 @@ class DeepseekV41:
     def _ngram_rows(self, cache: V41Cache, ids: torch.Tensor, slot: torch.Tensor, first: torch.Tensor,
                     length: int) -> torch.Tensor:
         """Hash the n-grams ending at each of ids [B * length] (sequence i's tokens at positions first[i].. in
-        cache slot slot[i]) from the classes of its last max_ngram positions (DEAD before the sequence start), and
-        keep the last max_ngram - 1 classes in the slot's ring -> [B * length, engram layers, (max_ngram - 1) *
-        heads]. Tensor work only."""
+        cache slot slot[i]) from the classes of its last max_ngram positions (DEAD before the sequence start) ->
+        [B * length, engram layers, (max_ngram - 1) * heads]. Tensor work only. The new classes enter the slot's
+        ring (row pos % ring) before the history is read from it: with one-token rows several rows may continue
+        one sequence (a verify step), each reading the rows before it."""
         back, dev = self.hasher.multipliers.shape[1] - 1, ids.device
         ring, slot = cache.classes.shape[1], slot.view(-1, 1)
+        new = self.hasher.classes_of(ids.view(-1, length))
+        keep = torch.arange(max(0, length - ring), length, device=dev)
+        if length == 1:
+            cache.classes[slot, first.view(-1, 1) % ring] = new
+            past = first.view(-1, 1) + torch.arange(-back, 1, device=dev)
+            return self.hasher.hashes(torch.where(past >= 0, cache.classes[slot, past % ring], DEAD)).flatten(0, 1)
+        # a chunk: the earlier positions from the ring (read before its own rows enter it), its own from the ids
         past = first.view(-1, 1) + torch.arange(-back, 0, device=dev)
-        history = torch.cat([torch.where(past >= 0, cache.classes[slot, past % ring], DEAD),
-                             self.hasher.classes_of(ids.view(-1, length))], dim=1)  # positions first - back..
-        kept = first.view(-1, 1) + length + torch.arange(-ring, 0, device=dev)  # distinct rows mod ring
-        cache.classes[slot, kept % ring] = history[:, -ring:]
+        history = torch.cat([torch.where(past >= 0, cache.classes[slot, past % ring], DEAD), new], dim=1)
+        cache.classes[slot, (first.view(-1, 1) + keep) % ring] = new[:, keep]
         return self.hasher.hashes(history).flatten(0, 1)

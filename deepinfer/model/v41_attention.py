@@ -102,10 +102,11 @@ def _window(ctx: LayerContext, cache: V41Cache, ch: Chunk, kv: torch.Tensor) -> 
     (the ring's earlier positions, then the chunk's own) and each query's window row list (-1 = none)."""
     win, t0, s = ctx.cfg.sliding_window, ch.t0, kv.shape[0]
     ring = cache.windows[ctx.layer][ch.slot]
+    size = ring.shape[0]  # the window and the lookahead
     past = torch.arange(max(0, t0 - (win - 1)), t0, device=kv.device)
-    rows = torch.cat([ring[past % win], kv])
-    keep = torch.arange(max(t0, t0 + s - win), t0 + s, device=kv.device)
-    ring[keep % win] = kv[keep - t0].to(ring.dtype)
+    rows = torch.cat([ring[past % size], kv])
+    keep = torch.arange(max(t0, t0 + s - size), t0 + s, device=kv.device)
+    ring[keep % size] = kv[keep - t0].to(ring.dtype)
     query = torch.arange(t0, t0 + s, device=kv.device).view(-1, 1)
     seen = query + torch.arange(-win + 1, 1, device=kv.device).view(1, -1)
     first = t0 - past.numel()

@@ -1,10 +1,15 @@
 """The per-sequence state of DeepSeek-V4.1, for many sequences at once: bounded state in per-sequence *slots*,
 state that grows with the sequence in *blocks* of `block_tokens` positions, found through one block table.
 
-Per slot:
-- every layer's sliding-window ring of K=V rows (post-RoPE, FP8-rounded), row `pos % window`;
-- each ratio > 1 kv source's group still filling: projected kv and gate score (fp32);
-- the Engram token classes of the last max_ngram - 1 positions (the n-gram history), row `pos % (max_ngram - 1)`.
+Per slot (each ring indexed by `pos % rows`, with `lookahead` rows more than a step reads so that a speculative
+verify step's rows past the positions its sequence keeps overwrite nothing it still reads: `model/rollback.py`):
+- every layer's sliding-window ring of K=V rows (post-RoPE, FP8-rounded): the window and the lookahead;
+- each ratio > 1 kv source's projected kv and gate score (fp32) of its last positions, from which a group pools:
+  the group's ratio rows and the lookahead, rounded up to whole groups;
+- the Engram token classes of the last positions (the n-gram history: max_ngram - 1, the step's own row and the
+  lookahead);
+- with DSpark draft blocks, each block's window ring of the kept positions' K=V (`model/v41_dspark.py`; only kept
+  rows are written, so no lookahead).
 
 Per block, for every kv source (each block's entries of every source, as V4's paged cache): its compressed
 latents (post-RoPE, FP4: groups of 16 with e4m3 scales) read by every layer sharing them, and for key owners
@@ -87,8 +92,13 @@ class CompressState:
     tables: torch.Tensor  # the cache's block table [slots, max_blocks] (shared by every source)
     latents: EntryStore
     keys: EntryStore | None  # key owners only
-    partial_kv: torch.Tensor | None  # [slots, ratio, head_dim] fp32 (ratio > 1)
+    partial_kv: torch.Tensor | None  # [slots, ring, head_dim] fp32 (ratio > 1): row pos % ring
     partial_score: torch.Tensor | None
+
+    def group_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The ring rows of the group holding positions t [...] -> [..., ratio] (its first position first)."""
+        first = t // self.ratio * self.ratio
+        return (first.unsqueeze(-1) + torch.arange(self.ratio, device=t.device)) % self.partial_kv.shape[1]
 
     def rows(self, slot: int | torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Storage rows of entries (broadcast against a tensor of slots; each entry within the table's reach)."""
@@ -105,18 +115,23 @@ class V41Cache:
     tables: torch.Tensor  # [slots, max_blocks] int64
     windows: list[torch.Tensor]  # per layer [slots, window, head_dim]
     compressed: dict[int, CompressState]  # by kv-source layer
-    classes: torch.Tensor  # [slots, max(max_ngram - 1, 1)] int64 Engram classes of the last positions
+    classes: torch.Tensor  # [slots, ring] int64 Engram classes of the last positions, row pos % ring
+    drafts: list[torch.Tensor] = field(default_factory=list)  # per DSpark block [slots, window, head_dim]
+    lookahead: int = 0  # rows a step may write past the positions its sequence keeps
     num_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, cfg: V41Config, slots: int, max_len: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", block_tokens: int = BLOCK_TOKENS,
-              num_blocks: int | None = None, packed: bool = True) -> V41Cache:
+              num_blocks: int | None = None, packed: bool = True, lookahead: int = 0,
+              draft_layers: int = 0) -> V41Cache:
         """`num_blocks` None: every slot owns the blocks for max_len positions; else a pool of `num_blocks`
         (and a scratch block) the runtime hands out through `tables`. `packed` False: the FP4 entries kept
-        unpacked in `dtype` (`EntryStore`)."""
-        if slots < 1 or max_len < 1:
-            raise ConfigError(f"a V4.1 cache needs slots >= 1 and max_len >= 1, got {slots} and {max_len}")
+        unpacked in `dtype` (`EntryStore`). `lookahead`: verify rows a step may write and not keep (speculative
+        decoding); `draft_layers`: DSpark blocks with a window ring per slot."""
+        if slots < 1 or max_len < 1 or lookahead < 0 or draft_layers < 0:
+            raise ConfigError(f"a V4.1 cache needs slots >= 1, max_len >= 1, lookahead >= 0 and draft_layers >= 0, "
+                              f"got {slots}, {max_len}, {lookahead} and {draft_layers}")
         ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layers})
         if block_tokens < 1 or any(block_tokens % r for r in ratios):
             raise ConfigError(f"block_tokens={block_tokens} must be a positive multiple of every compression "
@@ -133,27 +148,30 @@ class V41Cache:
         else:
             tables = torch.full((slots, max_blocks), num_blocks, dtype=torch.long, device=device)
         d = cfg.head_dim
-        windows = [torch.zeros(slots, cfg.sliding_window, d, dtype=dtype, device=device)
+        windows = [torch.zeros(slots, cfg.sliding_window + lookahead, d, dtype=dtype, device=device)
                    for _ in range(cfg.num_hidden_layers)]
+        drafts = [torch.zeros(slots, cfg.sliding_window, d, dtype=dtype, device=device) for _ in range(draft_layers)]
         compressed = {}
         for src in cfg.kv_source_layers:
             r = cfg.compress_ratios[src]
             per_block = block_tokens // r
             rows = (num_blocks + 1) * per_block
             partial = r > 1
+            ring = -(-(r + lookahead) // r) * r
             compressed[src] = CompressState(
                 r, per_block, dtype, tables, EntryStore.empty(rows, d, LATENT_FP4, packed, dtype, device),
                 EntryStore.empty(rows, cfg.index_head_dim, INDEX_FP4, packed, dtype, device)
                 if src in cfg.index_source_layers else None,
-                torch.zeros(slots, r, d, device=device) if partial else None,
-                torch.zeros(slots, r, d, device=device) if partial else None)
-        back = max(cfg.engram.max_ngram - 1, 1) if cfg.engram is not None else 1
+                torch.zeros(slots, ring, d, device=device) if partial else None,
+                torch.zeros(slots, ring, d, device=device) if partial else None)
+        back = cfg.engram.max_ngram + lookahead if cfg.engram is not None else 1
         classes = torch.zeros(slots, back, dtype=torch.int64, device=device)
-        return cls(cfg, max_len, block_tokens, dtype, tables, windows, compressed, classes, [0] * slots)
+        return cls(cfg, max_len, block_tokens, dtype, tables, windows, compressed, classes, drafts, lookahead,
+                   [0] * slots)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor holding state."""
-        out = [self.tables, *self.windows, self.classes]
+        out = [self.tables, *self.windows, *self.drafts, self.classes]
         for state in self.compressed.values():
             out += state.latents.tensors() + ([] if state.keys is None else state.keys.tensors())
             out += [t for t in (state.partial_kv, state.partial_score) if t is not None]
@@ -170,9 +188,11 @@ class V41Cache:
                              f"max_len {self.max_len}")
 
 
-def unit_bytes(cfg: V41Config, max_len: int, block_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+def unit_bytes(cfg: V41Config, max_len: int, block_tokens: int, dtype: torch.dtype, lookahead: int = 0,
+               draft_layers: int = 0) -> tuple[int, int]:
     """(bytes per block, bytes per slot) of a V4.1 cache whose slots span `max_len` positions."""
     def size(slots: int, blocks: int) -> int:
-        return V41Cache.empty(cfg, slots, max_len, dtype, "meta", block_tokens, blocks).num_bytes()
+        return V41Cache.empty(cfg, slots, max_len, dtype, "meta", block_tokens, blocks, lookahead=lookahead,
+                              draft_layers=draft_layers).num_bytes()
 
     return size(1, 2) - size(1, 1), size(2, 1) - size(1, 1)

@@ -67,15 +67,19 @@ def compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state
     ops, r, slot = ctx.ops, ctx.ratio, chunk.slot
     if r == 1:
         first, pooled = chunk.t0, kv
-    else:
-        fill = chunk.t0 % r
-        kv = torch.cat([state.partial_kv[slot, :fill], kv.float()])
-        score = torch.cat([state.partial_score[slot, :fill], score.float()])
+    else:  # the open group's earlier rows from the ring; every row of the chunk enters it (a verify step's
+        # kept rows may end anywhere in it)
+        t0, n, ring = chunk.t0, kv.shape[0], state.partial_kv.shape[1]
+        fill = t0 % r
+        before = torch.arange(t0 - fill, t0, device=kv.device) % ring
+        new_kv, new_score = kv.float(), score.float()
+        kv = torch.cat([state.partial_kv[slot, before], new_kv])
+        score = torch.cat([state.partial_score[slot, before], new_score])
+        keep = torch.arange(max(0, n - ring), n, device=kv.device)
+        state.partial_kv[slot, (t0 + keep) % ring] = new_kv[keep]
+        state.partial_score[slot, (t0 + keep) % ring] = new_score[keep]
         used = kv.shape[0] // r * r
-        left = kv.shape[0] - used
-        state.partial_kv[slot, :left] = kv[used:]
-        state.partial_score[slot, :left] = score[used:]
-        first = chunk.t0 // r
+        first = t0 // r
         pooled = ops.compress_pool(kv[:used].view(-1, r, kv.shape[-1]), score[:used].view(-1, r, kv.shape[-1]))
     n = pooled.shape[0]
     if n == 0:

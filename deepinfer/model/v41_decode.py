@@ -35,7 +35,7 @@ def decode_attention(ctx, w: Layer41, cache: V41Cache, step: DecodeBatch, q: tor
     """q [B, H, D], kv [B, D] (the window's FP8-rounded K=V), ckv / cscore [B, D] (a kv source's compressor
     projections) -> [B, H, D]. Only tensor work on the device (no host reads): a decode graph captures it."""
     cfg, ops, dev = ctx.cfg, ctx.ops, q.device
-    pool, indices = _window(cache.windows[ctx.layer], step, kv)
+    pool, indices = _window(cache.windows[ctx.layer], cfg.sliding_window, step, kv)
     if ctx.compress is not None:
         state = cache.compressed[ctx.kv_source]
         if w.compressor is not None:
@@ -57,30 +57,33 @@ def decode_attention(ctx, w: Layer41, cache: V41Cache, step: DecodeBatch, q: tor
     return ops.sparse_attention(q, pool, indices, w.attn.sink, cfg.head_dim**-0.5)
 
 
-def _window(ring: torch.Tensor, step: DecodeBatch, kv: torch.Tensor):
-    """Each sequence's earlier window rows (oldest first) and its own; then its own row enters its ring.
-    -> pool [B * win, D], indices [B, win] (-1: a position before the sequence start)."""
-    b, win, dev = kv.shape[0], ring.shape[1], kv.device
-    now = step.t.view(-1, 1)
-    seen = now + torch.arange(-win + 1, 1, device=dev).view(1, -1)  # [B, win] positions, the last one t
-    rows = torch.cat([ring[step.slot.view(-1, 1), seen[:, :-1] % win], kv.unsqueeze(1).to(ring.dtype)], dim=1)
-    ring[step.slot, step.t % win] = kv.to(ring.dtype)
+def _window(ring: torch.Tensor, win: int, step: DecodeBatch, kv: torch.Tensor):
+    """Every row's own K=V enters its slot's ring first (rows of one sequence at consecutive positions: a verify
+    step), then each row reads its window from the ring (oldest first, its own last): the ring's lookahead rows
+    keep a step's rows from overwriting positions its rows read. -> pool [B * win, D], indices [B, win] (-1: a
+    position before the sequence start)."""
+    b, size, dev = kv.shape[0], ring.shape[1], kv.device
+    ring[step.slot, step.t % size] = kv.to(ring.dtype)
+    seen = step.t.view(-1, 1) + torch.arange(-win + 1, 1, device=dev).view(1, -1)  # [B, win] positions, the last t
+    rows = ring[step.slot.view(-1, 1), seen % size]
     index = torch.arange(b * win, device=dev).view(b, win)
     return rows.view(b * win, -1), torch.where(seen >= 0, index, -1)
 
 
 def _compress(ctx: CompressContext, w: Compressor41, idx: Indexer41 | None, state: CompressState,
               step: DecodeBatch, kv: torch.Tensor, score: torch.Tensor | None) -> None:
-    """A kv source's compressor for one new token per sequence: ratio 1 writes each token's latent (and key);
-    ratio r > 1 puts the token in its slot's open group and pools the group. Where the token does not close its
-    group the pooled row is a placeholder written at that open group's entry, which no query sees before the
-    token that closes it rewrites it (entries seen: (t + 1) // r): so no row needs a host-side branch."""
+    """A kv source's compressor for one new token per row: ratio 1 writes each token's latent (and key); ratio
+    r > 1 puts every row's token in its slot's ring first, then each row pools its group from the ring. Where the
+    token does not close its group the pooled row is a placeholder written at that open group's entry, which no
+    query sees before the token that closes it rewrites it (entries seen: (t + 1) // r): so no row needs a
+    host-side branch. Two rows of one group in a step (a verify step) pool the same ring rows: equal values."""
     ops, r, slot, t = ctx.ops, ctx.ratio, step.slot, step.t
     if r > 1:
-        fill = t % r
-        state.partial_kv[slot, fill] = kv.float()
-        state.partial_score[slot, fill] = score.float()
-        kv = ops.compress_pool(state.partial_kv[slot], state.partial_score[slot])  # [B, r, D] -> [B, D]
+        ring = state.partial_kv.shape[1]
+        state.partial_kv[slot, t % ring] = kv.float()
+        state.partial_score[slot, t % ring] = score.float()
+        group, slots = state.group_rows(t), slot.view(-1, 1)
+        kv = ops.compress_pool(state.partial_kv[slots, group], state.partial_score[slots, group])  # [B, r, D] -> [B, D]
     first = t // r
     latent, keys = cached_forms(ctx, w, idx, state, kv, first * r)
     rows = state.rows(slot, first)

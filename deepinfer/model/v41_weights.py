@@ -105,7 +105,7 @@ def tensor_specs(cfg: V41Config) -> dict[str, TensorSpec]:
 
 def draft_specs(cfg: V41Config) -> dict[str, TensorSpec]:
     """The DSpark draft blocks (`mtp.{i}.*`): window-only blocks with their own experts, the main-hidden
-    projection on the first, the final norm, Markov and confidence heads on the last. Loaded, not yet run."""
+    projection on the first, the final norm, Markov and confidence heads on the last (`model/v41_dspark.py`)."""
     ds, d = cfg.dspark, cfg.hidden_size
     if ds is None or cfg.num_nextn_predict_layers == 0:
         return {}
@@ -183,7 +183,12 @@ class V41Weights:
     head: torch.Tensor
     norm: torch.Tensor
     layers: tuple[Layer41, ...]
-    drafts: Mapping[str, torch.Tensor]  # mtp.* by name, kept for speculative decoding
+    drafts: Mapping[str, torch.Tensor]  # mtp.* by name
+    dspark: DSpark41 | None = None  # the same tensors as the drafter reads them
+
+    @property
+    def draft_layers(self) -> int:
+        return 0 if self.dspark is None else len(self.dspark.blocks)
 
     @classmethod
     def from_tensors(cls, cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> V41Weights:
@@ -203,16 +208,42 @@ class V41Weights:
             if p + "engram.wkv.weight" in t:
                 engram = Engram41(t[p + "engram.embed.weight"], t[p + "engram.wkv.weight"], t[p + "engram.q_weight"],
                                   t[p + "engram.k_weight"])
-            layers.append(Layer41(
-                attn_norm=t[p + "attn_norm.weight"], ffn_norm=t[p + "ffn_norm.weight"],
-                attn_hc=_hc(t, p + "hc_attn_"), ffn_hc=_hc(t, p + "hc_ffn_"),
-                attn=Attention41(*(t[a + n] for n in ("attn_sink", "wq_a.weight", "q_norm.weight", "wq_b.weight",
-                                                       "wkv.weight", "kv_norm.weight", "wo_a.weight", "wo_b.weight"))),
-                compressor=compressor, indexer=indexer, engram=engram,
-                moe=_moe(t, p + "ffn.", cfg.n_routed_experts),
-            ))
+            layers.append(_layer(t, p, cfg.n_routed_experts, compressor, indexer, engram))
         drafts = {name: t[name] for name in draft_specs(cfg)}
-        return cls(t["embed.weight"], t["head.weight"], t["norm.weight"], tuple(layers), drafts)
+        return cls(t["embed.weight"], t["head.weight"], t["norm.weight"], tuple(layers), drafts,
+                   _dspark(cfg, t) if drafts else None)
+
+
+@dataclass(frozen=True)
+class DSpark41:
+    """The DSpark drafter (`model/v41_dspark.py`): window-only blocks, the main-hidden projection and the heads."""
+
+    blocks: tuple[Layer41, ...]
+    main_proj: torch.Tensor  # [H, taps * H]
+    main_norm: torch.Tensor
+    norm: torch.Tensor
+    markov_embed: torch.Tensor  # [V, rank]
+    markov_head: torch.Tensor  # [V, rank]
+    confidence: torch.Tensor  # [1, H + rank]
+
+
+def _layer(t: Mapping[str, torch.Tensor], p: str, experts: int, compressor: Compressor41 | None = None,
+           indexer: Indexer41 | None = None, engram: Engram41 | None = None) -> Layer41:
+    a = p + "attn."
+    return Layer41(
+        attn_norm=t[p + "attn_norm.weight"], ffn_norm=t[p + "ffn_norm.weight"],
+        attn_hc=_hc(t, p + "hc_attn_"), ffn_hc=_hc(t, p + "hc_ffn_"),
+        attn=Attention41(*(t[a + n] for n in ("attn_sink", "wq_a.weight", "q_norm.weight", "wq_b.weight",
+                                               "wkv.weight", "kv_norm.weight", "wo_a.weight", "wo_b.weight"))),
+        compressor=compressor, indexer=indexer, engram=engram, moe=_moe(t, p + "ffn.", experts))
+
+
+def _dspark(cfg: V41Config, t: Mapping[str, torch.Tensor]) -> DSpark41:
+    n, last = cfg.num_nextn_predict_layers, f"mtp.{cfg.num_nextn_predict_layers - 1}."
+    return DSpark41(tuple(_layer(t, f"mtp.{i}.", cfg.dspark.n_routed_experts) for i in range(n)),
+                    t["mtp.0.main_proj.weight"], t["mtp.0.main_norm.weight"], t[last + "norm.weight"],
+                    t[last + "markov_head.embed.weight"], t[last + "markov_head.head.weight"],
+                    t[last + "confidence_head.proj.weight"])
 
 
 def stacked_specs(cfg: V41Config, layer: int) -> dict[str, TensorSpec]:

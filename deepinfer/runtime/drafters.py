@@ -11,7 +11,8 @@ Each sets `Request.confidence` too: per draft, its estimated chance of acceptanc
 MTP layer: its softmax probability of the token it drafted; the oracle: its acceptance probability), which
 confidence-sized verification reads (`runtime/spec_budget.py`).
 
-`MTPDrafts`: the model's MTP layer (`model/mtp.py`). `DSparkDrafts`: its DSpark drafter (`model/dspark.py`): the
+`MTPDrafts`: the model's MTP layer (`model/mtp.py`). `DSparkDrafts`: its DSpark drafter (`model/dspark.py`; V4.1's
+`model/v41_dspark.py`): the
 kept rows' tapped streams go into the draft blocks' window rings, then one block pass drafts k tokens (its
 confidence head gives the confidences). `OracleDrafts`: a benchmark and test source that proposes a
 known continuation of each request (the target's own greedy tokens) with each draft kept with probability p
@@ -104,9 +105,11 @@ class DSparkDrafts:
     def __init__(self, model, cache, capture=None):
         """`capture`: the backend's graph capture (the block pass of each request-count bucket replays a graph);
         None: eager."""
+        from deepinfer.model.v41_dspark import V41DSparkDrafter
         from deepinfer.runtime.draft_graphs import DSparkGraphs
 
-        self.cache, self.drafter = cache, DSparkDrafter(model)
+        drafter = V41DSparkDrafter if hasattr(model, "hasher") else DSparkDrafter  # DeepSeek-V4.1 or V4
+        self.cache, self.drafter = cache, drafter(model)
         self.graphs = DSparkGraphs(self.drafter, cache, cache.spec.max_seqs, capture) if capture else None
 
     def capture_all(self) -> None:
@@ -183,11 +186,21 @@ def draws(reqs: list[Request], logits: torch.Tensor, positions: list[int]) -> to
 
 
 class OracleDrafts:
-    """Proposes `continuations[request index]` (the tokens after its prompt), each draft kept with probability
-    `accept` and otherwise replaced by another token (which the target rejects), keyed by (seed, position)."""
+    """Proposes `continuations[request index]` (the tokens after its prompt), each draft right with probability
+    `accept` and otherwise replaced by another token (which the target rejects), keyed by (seed, position); its
+    confidence is that probability (calibrated by construction). With `concentration` each draft's probability is
+    drawn instead, keyed by (seed, request, position), from a Beta distribution of mean `accept` and that
+    concentration (a + b): the acceptance at each position stays `accept` on average, and the confidences tell
+    the likely drafts from the unlikely ones, as a trained confidence head does."""
 
-    def __init__(self, continuations: dict[int, list[int]], accept: float, vocab: int, seed: int = 0):
+    def __init__(self, continuations: dict[int, list[int]], accept: float, vocab: int, seed: int = 0,
+                 concentration: float | None = None):
+        if concentration is not None and not (concentration > 0 and 0 < accept < 1):
+            raise ValueError(f"concentration={concentration} needs a positive concentration and 0 < accept < 1 "
+                             f"(got accept={accept})")
         self.continuations, self.accept, self.vocab, self.seed = continuations, accept, vocab, seed
+        self.concentration = concentration
+        self._chances: dict[int, list[float]] = {}  # by request index: each position's probability
 
     def after_prefill(self, chunks, streams, sampled: dict[int, int], k: int) -> None:
         for r, start, take, _ in chunks:
@@ -198,13 +211,28 @@ class OracleDrafts:
         for r, base, n, _ in live:
             self._propose(r, base + n + 1, k)
 
+    def _chance(self, r: Request, pos: int) -> float:
+        if self.concentration is None:
+            return self.accept
+        chances = self._chances.get(r.index)
+        if chances is None or pos >= len(chances):
+            import numpy as np
+
+            n = max(2 * pos, len(r.prompt_ids) + len(self.continuations.get(r.index, [])) + 64)
+            a, b = self.concentration * self.accept, self.concentration * (1 - self.accept)
+            chances = np.random.default_rng([self.seed, r.index]).beta(a, b, size=n).tolist()
+            self._chances[r.index] = chances
+        return chances[pos]
+
     def _propose(self, r: Request, first: int, k: int) -> None:
         known = self.continuations.get(r.index, [])
-        drafts = []
+        drafts, confidence = [], []
         for pos in range(first, first + k):
             i = pos - len(r.prompt_ids)
             token = known[i] if 0 <= i < len(known) else 0
-            if uniform(draw_seed(self.seed * 1_000_003 + r.index, pos)) >= self.accept:
+            chance = self._chance(r, pos)
+            if uniform(draw_seed(self.seed * 1_000_003 + r.index, pos)) >= chance:
                 token = (token + 1) % self.vocab  # a wrong guess
             drafts.append(token)
-        r.drafts, r.confidence = drafts, [self.accept] * k  # calibrated by construction
+            confidence.append(chance)
+        r.drafts, r.confidence = drafts, confidence

@@ -17,6 +17,7 @@ graphs exist, then the host's share refined with every verify step's measured ti
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Sequence
 
@@ -24,6 +25,10 @@ import numpy as np
 import torch
 
 from deepinfer.runtime.graph import bucket_for
+
+
+SMALL = 48  # (request, draft) pairs up to which the admission sorts them in Python: numpy's per-call overhead
+# (tens of microseconds a call on a GPU host's CPU) is most of a batch-1 step's host work otherwise
 
 
 def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], float],
@@ -34,30 +39,50 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
     then moves a bucket at a time, each move filling the next bucket with the highest survivals (within a bucket
     more rows cost nothing more), and stops at the first move whose rate does not rise."""
     n = len(confidences)
-    width = max((len(cs) for cs in confidences), default=0)
+    lengths = [len(cs) for cs in confidences]
+    width = max(lengths, default=0)
     if not n or not width:
         return [0] * n
-    conf = np.zeros((n, width))
-    for r, cs in enumerate(confidences):
-        conf[r, : len(cs)] = cs
-    survival = np.cumprod(np.clip(conf, 0.0, 1.0), axis=1).ravel()
-    present = (np.arange(width) < np.array([len(cs) for cs in confidences])[:, None]).ravel()
-    draft, request = np.tile(np.arange(width), n), np.repeat(np.arange(n), width)
-    # highest survival first; within a request survival never rises and ties go by position: each request's
-    # drafts come in order, so every admitted set is a prefix of each request's drafts
-    order = np.lexsort((request, draft, -survival))
-    order = order[present[order]]
-    gains = np.concatenate([[0.0], np.cumsum(survival[order])])  # expected tokens of the first i admitted
+    # the pairs by survival, highest first; ties by draft, then request: within a request survival never rises,
+    # so every admitted set is a prefix of each request's drafts
+    if n * width <= SMALL:
+        pairs = []
+        for r, cs in enumerate(confidences):
+            survival = 1.0
+            for j, c in enumerate(cs):
+                survival *= 0.0 if c < 0.0 else 1.0 if c > 1.0 else c
+                pairs.append((-survival, j, r))
+        pairs.sort()
+        requests = [r for _, _, r in pairs]
+        gains = list(itertools.accumulate((-s for s, _, _ in pairs), initial=0.0))
+    else:
+        if min(lengths) == width:
+            conf = np.asarray(confidences, dtype=np.float64)
+        else:
+            conf = np.zeros((n, width))
+            for r, cs in enumerate(confidences):
+                conf[r, : len(cs)] = cs
+        survival = np.cumprod(np.clip(conf, 0.0, 1.0), axis=1).ravel()
+        draft, request = np.tile(np.arange(width), n), np.repeat(np.arange(n), width)
+        order = np.lexsort((request, draft, -survival))
+        if min(lengths) < width:
+            order = order[(draft < np.repeat(lengths, width))[order]]
+        requests = request[order].tolist()
+        gains = np.concatenate([[0.0], np.cumsum(survival[order])]).tolist()  # expected tokens of the first i
+    total = len(requests)
     taken = 0
     rate = n / cost(n)
-    while taken < len(order):
+    while taken < total:
         room = next((b for b in steps or () if b > n + taken), None)
-        end = min(len(order), room - n if room is not None else taken + 1)
+        end = min(total, room - n if room is not None else taken + 1)
         nxt = (n + gains[end]) / cost(n + end)
         if nxt <= rate:
             break  # the first drop (or no gain) ends the admission
         taken, rate = end, nxt
-    return np.bincount(request[order[:taken]], minlength=n).tolist()
+    counts = [0] * n
+    for r in requests[:taken]:
+        counts[r] += 1
+    return counts
 
 
 class StepCosts:
@@ -93,8 +118,11 @@ class StepCosts:
     def __call__(self, rows: int) -> float:
         if self.device:
             b = self.bucket(rows)
-            host = self.host.get(b, sum(self.host.values()) / len(self.host) if self.host else 0.0)
-            return self.device.get(b, _interpolate(self.device, rows)) + host
+            host = self.host.get(b)
+            if host is None:
+                host = sum(self.host.values()) / len(self.host) if self.host else 0.0
+            device = self.device.get(b)
+            return (device if device is not None else _interpolate(self.device, rows)) + host
         return _interpolate(self.seconds, rows) if self.seconds else 1.0
 
     def profile(self, replays: dict[int, Callable[[], object]], repeats: int = 5) -> None:

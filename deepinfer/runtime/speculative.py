@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.model.rollback import check_tentative, commit
 from deepinfer.runtime.logprobs import StepLogprobs
 from deepinfer.runtime.request import Request
 from deepinfer.runtime.sampler import Features, History, Seen, pack, select_tokens
@@ -80,7 +79,7 @@ class Speculator:
     def __init__(self, steps, tokens: int, drafts, varlen: bool = False):
         """`varlen`: confidence-sized verification (`runtime/spec_budget.py`), else every draft is verified."""
         self.steps, self.model, self.cache, self.k, self.drafts = steps, steps.model, steps.cache, tokens, drafts
-        graphs = getattr(steps, "graphs", None)
+        graphs = steps.verify_graphs
         self.costs = StepCosts(graphs.buckets if graphs is not None else (1,)) if varlen else None
 
     def profile(self) -> None:
@@ -89,7 +88,7 @@ class Speculator:
         ready = getattr(self.drafts, "capture_all", None)
         if ready is not None:
             ready()
-        graphs = getattr(self.steps, "graphs", None)
+        graphs = self.steps.verify_graphs
         if self.costs is not None and graphs is not None:
             self.costs.profile(graphs.replays())
 
@@ -103,7 +102,7 @@ class Speculator:
     def decode(self, engine: Engine, reqs: list[Request], stats: RunStats) -> list[Request]:
         """Verify every request's drafts, append the tokens that stand, keep their cache rows, draft again.
         Returns the requests that finished."""
-        spec, device, begin = stats.spec, self.model.device, time.perf_counter()
+        spec, begin = stats.spec, time.perf_counter()
         # (the scheduler has cut each request's drafts to its length limits and the blocks it holds)
         if self.costs is not None:  # confidence-sized: the drafts worth a place in this step, across the batch
             for r, n in zip(reqs, verify_budget([r.confidence[: len(r.drafts)] for r in reqs], self.costs,
@@ -117,24 +116,13 @@ class Speculator:
             ids += [r.generated[-1], *drafts]
             positions += range(base, base + 1 + len(drafts))
             bases.append(base)
-        graphs = getattr(self.steps, "graphs", None)
-        if graphs is not None and len(ids) <= graphs.buckets[-1]:  # decode rows, several per request: its graphs
-            for r, (seq, _, n) in zip(reqs, chunks):
-                check_tentative(n, self.cache.spec.lookahead)
-            logits = graphs.run(ids, positions, [seq for seq, _, n in chunks for _ in range(n)])
-            streams = graphs.last_streams
-            for seq, _, n in chunks:
-                seq.num_tokens += n
-        else:  # more rows than the largest graph: a prefill-like step
-            logits, streams = self.model.prefill(self.cache, torch.tensor(ids, device=device),
-                                                 torch.tensor(positions, device=device), chunks, None, hidden=True,
-                                                 tentative=True)
+        logits, streams = self.steps.verify(ids, positions, chunks)
         spec.steps += 1
         spec.verify_tokens += len(ids)
         stats.decode_steps += 1
         kept, accepted, done = self._accept(engine, reqs, chunks, logits, stats)
         for r, base, n, a in zip(reqs, bases, kept, accepted):
-            commit(r.cache, base + n)
+            self.steps.commit(r.cache, base + n)
             spec.count(len(r.drafts), a)
         stats.decode_tokens += sum(kept)
         ended = {id(r) for r in done}

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from deepinfer.model.model import DeepseekV4
+from deepinfer.model.rollback import check_tentative, commit
 from deepinfer.runtime.blocks import SeqCache
 from deepinfer.runtime.cache import PagedCache
 from deepinfer.runtime.graph import DecodeGraphs
@@ -73,6 +74,31 @@ class V4Steps:
 
     def capture_all(self) -> list[torch.Tensor]:
         return self.graphs.capture_all()
+
+    @property
+    def verify_graphs(self) -> DecodeGraphs:
+        """The graphs verify steps replay (`buckets`, `replays()`: confidence-sized verification's costs)."""
+        return self.graphs
+
+    def verify(self, ids: list[int], positions: list[int], seqs: Chunks):
+        """A speculative verify step: each (sequence, first row, rows) continues its sequence with its last token
+        and drafts -> (fp32 logits of every row, their final streams or DSpark taps). Decode rows through the
+        decode graphs up to their largest bucket, else a prefill-like step; tentative: `commit` keeps what stands."""
+        graphs = self.graphs
+        if len(ids) <= graphs.buckets[-1]:
+            for _, _, n in seqs:
+                check_tentative(n, self.cache.spec.lookahead)
+            logits = graphs.run(ids, positions, [seq for seq, _, n in seqs for _ in range(n)])
+            for seq, _, n in seqs:
+                seq.num_tokens += n
+            return logits, graphs.last_streams
+        device = self.device
+        return self.model.prefill(self.cache, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                  seqs, None, hidden=True, tentative=True)
+
+    def commit(self, seq: SeqCache, end: int) -> None:
+        """Keep a verify step's positions before `end` (`model/rollback.py`)."""
+        commit(seq, end)
 
     def decode(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache], **run) -> torch.Tensor:
         """One decode step; `run`: `DecodeGraphs.run`'s options (several ranks: `rows=`, `eager=`)."""

@@ -123,3 +123,51 @@ def test_v41_fp8_fp4_kernels_on_the_gpu_match_the_w8a8_reference(tmp_path, cuda)
     ref = w8a8("float32")
     ids = prompt(4)
     check_rows("fixture a, FP8/FP4 kept", ref, w8a8("bfloat16"), gpu.model, ids, greedy(ref, ids, STEPS))
+
+
+def test_v41_dspark_speculative_decoding_on_the_gpu(tmp_path, cuda):
+    """Fixture `dspark` (config b with two DSpark draft blocks) speculative on the H200 (`--backend nvidia`, bf16):
+    verify steps replay the decode graphs (several rows a sequence), the block pass DSpark's graphs. Its verify
+    rows run other shapes than plain decode steps, and bf16 kernels are not batch-invariant on these bf16-unstable
+    configs (above), so each generated token is checked against the GPU model itself, eagerly, given the
+    speculative run's own prefix: its greedy pick, or within the bf16 margin of its best logit. With the
+    DSpark drafter's own drafts (random weights: mostly rejected) and with the plain run's tokens as drafts kept
+    with probability 0.8."""
+    from deepinfer.runtime.drafters import DSparkDrafts
+    from tests.test_speculative import oracle
+    from tests.v41_dirs import dspark_model_dir
+
+    path = dspark_model_dir(tmp_path)
+    plain = deepinfer.LLM(path, backend="nvidia", dtype="bfloat16", max_num_seqs=4, speculative_tokens=0)
+    spec = deepinfer.LLM(path, backend="nvidia", dtype="bfloat16", max_num_seqs=4)
+    drafts = spec.engine.speculator.drafts
+    assert isinstance(drafts, DSparkDrafts) and drafts.graphs is not None
+    assert spec.engine.steps.decode_graphs is not None and spec.speculative_tokens == 4
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    prompts = [prompt(5, 30), prompt(6, 9), prompt(7, 17)]
+    want = plain.generate([{"token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def check(outs) -> int:
+        flips = 0
+        for p, o in zip(prompts, outs):
+            logits = forced_logits(spec.model, p, o.token_ids)[len(p) - 1:]
+            for k, token in enumerate(o.token_ids):
+                row = logits[k]
+                if token != int(row.argmax()):
+                    flips += 1
+                    assert row[token] >= row.max() - TOLERANCE * row.abs().max(), f"step {k}: {token} is far off"
+        return flips
+
+    for accept in (None, 0.8):
+        if accept is not None:
+            oracle(spec, want, accept, 4)
+        outs = spec.generate([{"token_ids": p} for p in prompts], params, use_tqdm=False)
+        st = spec.last_stats.spec
+        flips = check(outs)
+        same = sum(o.token_ids == w.token_ids for o, w in zip(outs, want))
+        print(f"V4.1 DSpark on the GPU, drafts {'DSpark' if accept is None else f'oracle {accept}'}: {st.steps} "
+              f"verify steps, acceptance {[round(a, 2) for a in st.acceptance]}, {same}/3 requests equal plain "
+              f"decoding, {flips} near-tie picks")
+        assert st.steps > 0 and all(o.num_generated_tokens == 16 for o in outs)
+        if accept is not None:
+            assert st.accepted[0] > 0 and st.steps < 3 * 15

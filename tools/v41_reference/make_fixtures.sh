@@ -1,6 +1,6 @@
 #!/bin/sh
-# Regenerates tests/fixtures/v41/{a,b} (the V4.1 parity fixtures of tests/test_v41_*.py) with DeepSeek's
-# reference inference/model.py + engram.py at Hugging Face revision dba1be0a40aa45a94ad051997016db3960a90277,
+# Regenerates tests/fixtures/v41/{a,b,b_faithful,dspark} (the V4.1 parity fixtures of tests/test_v41_*.py) with
+# DeepSeek's reference inference/model.py + engram.py at Hugging Face revision dba1be0a40aa45a94ad051997016db3960a90277,
 # placed (git-ignored) under tools/v41_reference/upstream/inference/ and checked against SOURCES.md.
 #
 # --fix-index-k-quirk: deepinfer follows the fixed index-key behaviour (every ratio-2 index source scores against
@@ -16,3 +16,6 @@ python3 run_tiny.py --config b --prefill 27 --decode 17 --fix-index-k-quirk --sa
 # config b in the checkpoint's dtypes (FP8 32x32 ue8m0 dense, FP4 experts, bf16 activations), plus the same
 # reference in fp32 mode on the dequantized weights fed the same tokens ("logits_fp32")
 python3 run_tiny.py --config b --prefill 27 --decode 17 --fix-index-k-quirk --mode faithful --save "$out/b_faithful"
+# config b plus two DSpark draft blocks (run_tiny.py DSPARK): Transformer.forward_spec after the prefill (seeds the
+# draft windows) and after each of 8 greedy decode steps; dspark.pt holds the drafts (README.md)
+python3 run_tiny.py --config b --prefill 40 --decode 8 --fix-index-k-quirk --dspark --save "$out/dspark"

@@ -12,6 +12,7 @@ Usage:
   python3.11 run_tiny.py --config b           # the second tiny config (other wiring, hc_mult 2, odd prefill)
   python3.11 run_tiny.py --mode faithful      # checkpoint dtypes: fp8 dense, fp4 experts, bf16 acts
   python3.11 run_tiny.py --save out_dir       # also write weights (.safetensors), config, logits
+  python3.11 run_tiny.py --dspark             # also run the DSpark draft blocks (forward_spec) every decode step
 
 Weights are drawn on the bf16 grid (except the tensors the released checkpoint keeps in fp32: mHC, attention
 sinks, router biases) so that the saved checkpoint stores them as bf16, as the release does, losslessly;
@@ -21,6 +22,7 @@ fp32 mode still computes in fp32. The test fixtures are made by tools/v41_refere
 import argparse
 import json
 import os
+import re
 import sys
 import types
 from dataclasses import asdict
@@ -103,7 +105,15 @@ class TinyTokenizer:
 
 
 # ----------------------------------------------------------------------------- config
-def tiny_args(model_mod, engram_mod, mode: str, tokenizer, config: str = "a"):
+# --dspark: the draft blocks added to either tiny config (ModelArgs names; `compress_ratios` gets one 0 per draft
+# layer). Noise token 250: an ordinary id of the tiny vocabulary (not bos/eos/pad). Target layers 4, 6, 7: late
+# backbone layers, not contiguous, the last one included. temperature stays 0 (greedy drafts).
+DSPARK = dict(n_mtp_layers=2, dspark_block_size=4, dspark_noise_token_id=250, dspark_target_layer_ids=(4, 6, 7),
+              dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_n_activated_experts=2)
+DRAFT_ALIAS = re.compile(r"mtp\.\d+\.(embed|head)\.weight")  # DSparkBlock.embed/head: the main model's modules
+
+
+def tiny_args(model_mod, engram_mod, mode: str, tokenizer, config: str = "a", dspark: bool = False):
     """Config a: 8 backbone layers, one of each kind (layer id: kind / real-model analogue):
     0 window-only (0)            1 window-only + Engram (1)
     2 ratio-2 kv+index source + Engram (2/8/14; 14 also has Engram)
@@ -120,7 +130,9 @@ def tiny_args(model_mod, engram_mod, mode: str, tokenizer, config: str = "a"):
     Both keep index_topk <= (candidate_topk_blocks - 1) * candidate_block_size + 1 (NOTES.md 3d), and use 16
     index heads: an index score is exactly 0 when every head's ReLU is (FP4-rounded q and k, few heads: often), and
     which of several tied entries torch.topk keeps is implementation-defined; with 16 heads ties do not occur.
-    Draft (DSpark) layers are skipped (dspark_block_size = 0)."""
+    Draft (DSpark) layers are skipped (dspark_block_size = 0) unless dspark=True (`--dspark`): then 2 draft blocks
+    (window-only, compress ratio 0) follow the 8 backbone layers, block size 4, Markov rank 16, 4 experts top-2, the
+    main hidden taken from the inputs of backbone layers 4, 6 and 7 (DSPARK below)."""
     A = model_mod.ModelArgs
     kw = dict(
         max_batch_size=2, max_seq_len=64, temperature=0.0,
@@ -153,6 +165,8 @@ def tiny_args(model_mod, engram_mod, mode: str, tokenizer, config: str = "a"):
         )
     elif config != "a":
         raise SystemExit(f"unknown --config {config!r}; accepted: a, b")
+    if dspark:
+        kw.update(DSPARK, compress_ratios=kw["compress_ratios"] + (0,) * DSPARK["n_mtp_layers"])
     args = A(**kw)
     # table rows = sum of the layer's bucket primes (as in the released config)
     layout = engram_mod.EngramLayout.from_args(args)
@@ -209,6 +223,9 @@ def main():
     ap.add_argument("--fix-index-k-quirk", action="store_true",
                     help="deviation: make ratio-2 key owners read their own k_cache on every decode step")
     ap.add_argument("--save", default=None, help="directory for weights/config/logits")
+    ap.add_argument("--dspark", action="store_true",
+                    help="add 2 DSpark draft blocks (DSPARK) and run forward_spec after the prefill and every decode "
+                         "step; --save also writes dspark.pt")
     opts = ap.parse_args()
 
     sys.path.insert(0, HERE)
@@ -217,8 +234,11 @@ def main():
     torch.manual_seed(opts.seed)
     model_mod, engram_mod = import_reference()
     tok = TinyTokenizer(VOCAB)
-    args = tiny_args(model_mod, engram_mod, opts.mode, tok, opts.config)
-    assert opts.prefill + opts.decode <= args.max_seq_len
+    if opts.dspark and opts.mode != "fp32":
+        raise SystemExit("--dspark is only supported in fp32 mode")
+    args = tiny_args(model_mod, engram_mod, opts.mode, tok, opts.config, opts.dspark)
+    # with --dspark the last decode step's draft rows sit at positions up to prefill + decode - 1 + block size
+    assert opts.prefill + opts.decode + (args.dspark_block_size if opts.dspark else 0) <= args.max_seq_len
 
     act_dtype = torch.bfloat16 if opts.mode == "faithful" else torch.float32
     torch.set_default_dtype(act_dtype)  # as generate.py does (bf16) for the real model
@@ -242,13 +262,17 @@ def main():
     print(f"mode={opts.mode} act_dtype={act_dtype} layers={args.n_layers} ratios={args.compress_ratios} "
           f"engram rows={args.engram_num_embeddings} compressed_vocab={args.engram_compressed_vocab_size}")
 
-    L, prefill_all, tokens = generate(model, prompt, opts.decode, log, detail)
+    spec = {} if opts.dspark else None
+    L, prefill_all, tokens = generate(model, prompt, opts.decode, log, detail, spec=spec)
     if opts.save:
         os.makedirs(opts.save, exist_ok=True)
         from safetensors.torch import save_file
 
         sd = {}
         for k, v in model.state_dict().items():
+            if DRAFT_ALIAS.fullmatch(k):  # not a tensor of its own: the main embed/head (checked to alias)
+                assert v.data_ptr() == model.state_dict()[k.split(".", 2)[2]].data_ptr(), k
+                continue
             if v.dtype == torch.float4_e2m1fn_x2:
                 v = v.view(torch.int8)  # the checkpoint stores packed fp4 experts as int8
             elif v.dtype in (torch.float32, torch.bfloat16) and not stored_fp32(k):
@@ -269,9 +293,13 @@ def main():
             # the same model and tokens with the in-place FP8/FP4 rounding of the KV, latent and index caches off
             # (cpu_kernels' V41_CPU_NO_QAT): fp32 arithmetic only, no rounding boundary for an ulp to cross
             os.environ["V41_CPU_NO_QAT"] = "1"
-            nogrid = generate(model, prompt, opts.decode, log, detail, forced=tokens)
+            spec_nogrid = {} if opts.dspark else None
+            nogrid = generate(model, prompt, opts.decode, log, detail, forced=tokens, spec=spec_nogrid)
             out["logits_nogrid"], out["prefill_logits_all_nogrid"] = nogrid[:2]
             del os.environ["V41_CPU_NO_QAT"]
+            if opts.dspark:
+                for k in ("draft_ids", "draft_logits", "confidence"):
+                    spec[k + "_nogrid"] = spec_nogrid[k]
         if opts.mode == "faithful":
             # the same reference in fp32 mode on the dequantized weights, fed the same tokens: its distance to the
             # faithful logits is the reference's own error from bf16 activations and FP8-quantized GEMM inputs
@@ -283,19 +311,27 @@ def main():
             del out["prefill_logits_all"]  # (size) the faithful run's last-position logits are in "logits"
             print(f"fp32 twin vs faithful: max |dlogit| {(out['logits_fp32'] - L).abs().max():.4f}")
         torch.save(out, os.path.join(opts.save, "logits.pt"))
+        if opts.dspark:
+            spec.update(prompt=prompt, prompt_len=opts.prefill, block_size=args.dspark_block_size,
+                        noise_token_id=args.dspark_noise_token_id,
+                        target_layer_ids=torch.tensor(args.dspark_target_layer_ids))
+            torch.save(spec, os.path.join(opts.save, "dspark.pt"))
         print("saved to", opts.save)
 
 
-def generate(model, prompt, decode: int, log, detail, forced=None):
+def generate(model, prompt, decode: int, log, detail, forced=None, spec=None):
     """Prefill `prompt`, then `decode` greedy steps (or the tokens of `forced` [b, prefill + decode + 1]).
-    Returns (logits [b, 1 + decode, vocab], prefill logits of every position, the tokens)."""
+    Returns (logits [b, 1 + decode, vocab], prefill logits of every position, the tokens).
+    spec: a dict to fill with the DSpark drafts (--dspark): `Transformer.forward_spec` runs after the prefill (start_pos
+    0: seeds the draft blocks' windows, returns None) and after every decode step (start_pos = the step's position),
+    fed the token the target goes on with (its greedy token, or `forced`'s) and the step's main hidden."""
     # observation only: keep the final-norm output so the prefill logits of *every* position can be
     # formed with the head weight (upstream ParallelHead returns the last position only)
     normed = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: normed.__setitem__("h", o))
     all_logits = []
     with torch.inference_mode():
-        ids, logits, _ = model(prompt, 0)
+        ids, logits, main_hidden = model(prompt, 0)
         prefill_all = torch.nn.functional.linear(normed["h"].float(), model.head.weight)  # [b, s, vocab]
         assert torch.allclose(prefill_all[:, -1], logits, rtol=1e-5, atol=1e-5)  # GEMM shape -> last-ulp diffs
         for li, nvalid, width, ncand in detail:
@@ -307,14 +343,31 @@ def generate(model, prompt, decode: int, log, detail, forced=None):
         if forced is not None:
             ids = forced[:, pos]
         seq = [prompt, ids.unsqueeze(1)]
+        if spec is not None:
+            assert model.forward_spec(seq[-1][:, 0], main_hidden, 0) is None
+            spec["prefill_main_hidden"] = main_hidden  # [b, prefill, dim * n_targets]
+            drafts = {k: [] for k in ("positions", "input_ids", "target_next", "main_hidden", "draft_ids",
+                                      "draft_logits", "confidence")}
         for step in range(decode):
             n0 = len(log)
-            ids, logits, _ = model(seq[-1], pos)
+            ids, logits, main_hidden = model(seq[-1], pos)
             all_logits.append(logits)
             srcs = ",".join(f"L{a}<-k{b}" for a, b in log[n0:])
             print(f"decode pos {pos:2d} {stats(logits)} argmax {ids.tolist()}  index_k: {srcs}")
+            nxt = ids if forced is None else forced[:, pos + 1]
+            if spec is not None:
+                d_ids, d_logits, conf = model.forward_spec(nxt, main_hidden, pos)
+                assert torch.equal(d_ids[:, 0], nxt) and torch.equal(d_ids[:, 1:], d_logits.argmax(-1))
+                for k, v in zip(drafts, (torch.tensor(pos), seq[-1][:, 0], nxt, main_hidden[:, 0], d_ids, d_logits,
+                                         conf)):
+                    drafts[k].append(v)
+                print(f"  draft at pos {pos:2d}: ids {d_ids[:, 1:].tolist()} confidence {conf.tolist()}")
             pos += 1
-            seq.append((ids if forced is None else forced[:, pos]).unsqueeze(1))
+            seq.append(nxt.unsqueeze(1))
+        if spec is not None:
+            # step axis after the batch axis (positions: [decode])
+            spec.update({k: torch.stack(v, 1 if v[0].dim() else 0) for k, v in drafts.items()})
+            spec["draft_positions"] = spec["positions"].unsqueeze(1) + torch.arange(1, model.mtp[0].block_size + 1)
     hook.remove()
     L = torch.stack(all_logits, 1)  # [b, 1 + decode, vocab]
     assert torch.isfinite(L).all(), "non-finite logits"
