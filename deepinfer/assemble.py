@@ -19,7 +19,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.env import Env, check_writable_dir
 from deepinfer.errors import ConfigError
-from deepinfer.options import cache_spec, fit_check, host_memory, tiny_weight_bytes
+from deepinfer.options import cache_spec, draft_graph_bytes, fit_check, host_memory, tiny_weight_bytes
 from deepinfer.runtime.backend import Backend
 from deepinfer.runtime.cache import CacheLayout, CacheSpec, PagedCache
 from deepinfer.runtime.prefix import PrefixMode
@@ -151,9 +151,11 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
     ready_kernels(backend, cfg, dtype, env, opts, clock)
     ahead = opts.lookahead if model.weights.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
+    drafts = min(opts.draft_layers, model.weights.draft_layers)
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
                                        opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots,
-                                       draft_layers=min(opts.draft_layers, model.weights.draft_layers), lookahead=ahead),
+                                       draft_layers=drafts, lookahead=ahead,
+                                       reserve=draft_graph_bytes(cfg, opts.max_num_seqs, drafts, dtype)),
                        dtype, device)
     cache.enable_prefix(opts.prefix_cache, cache.salt())
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
@@ -274,7 +276,8 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
-                      opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead)
+                      opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead,
+                      reserve=draft_graph_bytes(cfg, opts.max_num_seqs, opts.draft_layers, dtype))
     cache = V41SlotCache(cfg, spec, dtype, backend.device)
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
     kept = keep and quantization_config(cfg.raw) is not None

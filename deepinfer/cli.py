@@ -127,9 +127,10 @@ def run() -> None:
                    "keeps window snapshots at block boundaries (same tokens as off; batch-invariant runs' default); "
                    "off.")
 @click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
-              help="Draft tokens per decode step from the checkpoint's MTP layer, verified in one target step (same "
-                   "tokens as plain decoding); 0 = plain decoding [default: $DEEPINFER_USE_NEXTN_DECODE, else 5 when "
-                   "the checkpoint has an MTP layer, else 0].")
+              help="Draft tokens per decode step from the checkpoint's drafter (an MTP layer or DSpark blocks), "
+                   "verified in one target step (same tokens as plain decoding); 0 = plain decoding [default: "
+                   "$DEEPINFER_USE_NEXTN_DECODE, else 5 (DSpark: at most its block) when the checkpoint has one, "
+                   "else 0].")
 @click.option("--speculative-varlen/--no-speculative-varlen", default=None,
               help="Confidence-sized verification: per step, verify the drafts worth it across the batch, from the "
                    "drafts' confidences and the measured step costs [default: $DEEPINFER_ENABLE_MTP_VARLEN, else off].")

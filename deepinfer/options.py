@@ -33,13 +33,14 @@ DEFAULT_MAX_MODEL_LEN = 8192
 def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dtype, max_seqs: int, max_model_len: int | None,
                num_blocks: int | None, gpu_memory_utilization: float, block_tokens: int = 128,
                unit: Callable[[CacheSpec], tuple[int, int]] | None = None, snapshots: int = 0,
-               draft_layers: int = 0, lookahead: int = 0) -> CacheSpec:
+               draft_layers: int = 0, lookahead: int = 0, reserve: int = 0) -> CacheSpec:
     """Cache geometry: the block table spans max_model_len (default min(model limit, 8192)); blocks come from
     `num_blocks`, else from free device memory when the target can measure it (`memory`: free, total), else
     enough for every slot at full length. `unit(spec)` -> (bytes per block, bytes per slot) of the model's
     cache (default: V4's `CacheLayout`). `snapshots`: sliding-window snapshots to keep (exact prefix caching;
     V4's layout only), taken out of the memory budget first; `draft_layers`: draft layers' window rings per slot
-    (speculative decoding); `lookahead`: ring rows for verify rows a sequence may not keep."""
+    (speculative decoding); `lookahead`: ring rows for verify rows a sequence may not keep; `reserve`: device
+    bytes kept free beyond the 2 GiB of activations (DSpark's captured block passes: `draft_graph_bytes`)."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
@@ -53,17 +54,29 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
             else:
                 per_block, per_slot = unit(probe)
             free, _ = memory
-            budget = int(free * gpu_memory_utilization - (max_seqs + 1) * per_slot) - (2 << 30)  # 2 GiB activations
+            activations = (2 << 30) + reserve  # 2 GiB, and what the drafter's graphs keep
+            budget = int(free * gpu_memory_utilization - (max_seqs + 1) * per_slot) - activations
             if budget < 2 * per_block:  # one block and the scratch block
                 raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
                                   f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
-                                  f"{per_slot / 2**20:.0f} MiB, 2 GiB for activations; lower --max-num-seqs or set "
-                                  f"--num-blocks")
+                                  f"{per_slot / 2**20:.0f} MiB, {activations / 2**30:.2f} GiB for activations"
+                                  + (" (with the DSpark graphs' buffers)" if reserve else "")
+                                  + "; lower --max-num-seqs or set --num-blocks")
             num_blocks = min(num_blocks, budget // per_block - 1)  # the cache adds a scratch block
     if num_blocks < 1:
         raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
     return CacheSpec(num_blocks=num_blocks, max_seqs=max_seqs, max_blocks_per_seq=per_seq, block_tokens=block_tokens,
                      snapshots=snapshots, draft_layers=draft_layers, lookahead=lookahead)
+
+
+def draft_graph_bytes(cfg, max_seqs: int, draft_layers: int, dtype: torch.dtype) -> int:
+    """Device bytes DSpark's captured block passes keep beyond the activations (0 without DSpark drafting): the
+    largest bucket's base logits [requests, block, V] in `dtype` and a Markov-corrected fp32 row and its bias
+    [requests, V] (the buckets share one memory pool)."""
+    if not draft_layers or getattr(cfg, "dspark", None) is None:
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    return max_seqs * cfg.vocab_size * (cfg.dspark.block_size * size + 8)
 
 
 def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:

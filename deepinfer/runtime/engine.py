@@ -93,7 +93,7 @@ class Engine:
 
     @property
     def graphs(self):
-        """DeepSeek-V4's decode graphs; None where the steps have none (DeepSeek-V4.1 decodes eagerly)."""
+        """DeepSeek-V4's decode graphs; None where the steps have none (DeepSeek-V4.1's are `steps.decode_graphs`)."""
         return getattr(self.steps, "graphs", None)
 
     @graphs.setter
