@@ -155,7 +155,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
                                        opts.num_blocks, opts.gpu_memory_utilization, snapshots=opts.snapshots,
                                        draft_layers=drafts, lookahead=ahead,
-                                       reserve=draft_graph_bytes(cfg, opts.max_num_seqs, drafts, dtype)),
+                                       reserve=draft_graph_bytes(cfg, opts.max_num_seqs, drafts, dtype, ahead)),
                        dtype, device)
     cache.enable_prefix(opts.prefix_cache, cache.salt())
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
@@ -277,7 +277,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                       opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead,
-                      reserve=draft_graph_bytes(cfg, opts.max_num_seqs, opts.draft_layers, dtype))
+                      reserve=draft_graph_bytes(cfg, opts.max_num_seqs, opts.draft_layers, dtype, ahead))
     cache = V41SlotCache(cfg, spec, dtype, backend.device)
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
     kept = keep and quantization_config(cfg.raw) is not None

@@ -228,8 +228,9 @@ def parse(raw: dict[str, Any], source: str = "config") -> V41Config:
             raise ConfigError(f"{source}: dspark_target_layer_ids {list(targets)} must be backbone layers")
         dspark = DSparkConfig(c["dspark_block_size"], get("dspark_noise_token_id", int, minimum=0), targets,
                               get("dspark_markov_rank", int, 256, minimum=1),
-                              get("dspark_n_routed_experts", int, minimum=1),
-                              get("dspark_n_activated_experts", int, minimum=1))
+                              # 0 or absent: the backbone's (the reference's get_moe_config)
+                              get("dspark_n_routed_experts", int, 0, minimum=0) or get("n_routed_experts", int),
+                              get("dspark_n_activated_experts", int, 0, minimum=0) or get("n_activated_experts", int))
     heads, groups = get("n_heads", int, minimum=1), get("o_groups", int, minimum=1)
     if heads % groups:
         raise ConfigError(f"{source}: n_heads {heads} is not a multiple of o_groups {groups}")

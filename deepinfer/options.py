@@ -40,7 +40,7 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
     cache (default: V4's `CacheLayout`). `snapshots`: sliding-window snapshots to keep (exact prefix caching;
     V4's layout only), taken out of the memory budget first; `draft_layers`: draft layers' window rings per slot
     (speculative decoding); `lookahead`: ring rows for verify rows a sequence may not keep; `reserve`: device
-    bytes kept free beyond the 2 GiB of activations (DSpark's captured block passes: `draft_graph_bytes`)."""
+    bytes kept free beyond the 2 GiB of activations (speculative decoding's captured graphs: `draft_graph_bytes`)."""
     limit = model_len(cfg, max_model_len)
     per_seq = -(-limit // block_tokens)
     if num_blocks is None:
@@ -60,7 +60,7 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
                 raise ConfigError(f"not enough free GPU memory for the cache: {free / 2**30:.1f} GiB free, "
                                   f"gpu_memory_utilization={gpu_memory_utilization}, {max_seqs} slots of "
                                   f"{per_slot / 2**20:.0f} MiB, {activations / 2**30:.2f} GiB for activations"
-                                  + (" (with the DSpark graphs' buffers)" if reserve else "")
+                                  + (" (with the speculative graphs' buffers)" if reserve else "")
                                   + "; lower --max-num-seqs or set --num-blocks")
             num_blocks = min(num_blocks, budget // per_block - 1)  # the cache adds a scratch block
     if num_blocks < 1:
@@ -69,14 +69,21 @@ def cache_spec(cfg: ModelConfig, memory: tuple[int, int] | None, dtype: torch.dt
                      snapshots=snapshots, draft_layers=draft_layers, lookahead=lookahead)
 
 
-def draft_graph_bytes(cfg, max_seqs: int, draft_layers: int, dtype: torch.dtype) -> int:
-    """Device bytes DSpark's captured block passes keep beyond the activations (0 without DSpark drafting): the
-    largest bucket's base logits [requests, block, V] in `dtype` and a Markov-corrected fp32 row and its bias
-    [requests, V] (the buckets share one memory pool)."""
-    if not draft_layers or getattr(cfg, "dspark", None) is None:
+def draft_graph_bytes(cfg, max_seqs: int, draft_layers: int, dtype: torch.dtype, lookahead: int = 0) -> int:
+    """Device bytes speculative decoding's captured graphs keep beyond the 2 GiB of activations (0 without drafts):
+    the verify buckets' logits past plain decoding's (`lookahead` drafts a request: buckets up to max_seqs x (1 +
+    lookahead) rows), and with DSpark the block passes' largest bucket's base logits [requests, block, V] in `dtype`
+    with a Markov-corrected fp32 row and its bias [requests, V] (the buckets share one memory pool)."""
+    from deepinfer.runtime.graph import graph_logits_bytes
+
+    if not draft_layers:
         return 0
+    vocab = cfg.vocab_size
+    verify = graph_logits_bytes(max_seqs * (1 + lookahead), vocab) - graph_logits_bytes(max_seqs, vocab)
+    if getattr(cfg, "dspark", None) is None:
+        return verify
     size = torch.empty((), dtype=dtype).element_size()
-    return max_seqs * cfg.vocab_size * (cfg.dspark.block_size * size + 8)
+    return verify + max_seqs * vocab * (cfg.dspark.block_size * size + 8)
 
 
 def model_len(cfg: ModelConfig, max_model_len: int | None) -> int:

@@ -1,8 +1,15 @@
 import hashlib
 import os
 
-import pytest
-import torch
+# One CPU thread per test process (and the processes tests start): the tests' tensors are tiny, where a second
+# thread costs more than it gains (tests/test_speculative.py + test_engine.py: 54 s on one thread against 62 s and
+# twice the CPU time on two), and the suite's other core is left to the kernel lowerings `Ahead` runs meanwhile.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

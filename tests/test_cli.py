@@ -153,9 +153,12 @@ def test_an_interrupted_run_keeps_the_finished_outputs(tmp_path, sig):
     prompts.write_text(json.dumps({"token_ids": [5, 6], "max_new_tokens": 2}) + "\n"
                        + json.dumps({"token_ids": [7, 8], "max_new_tokens": 6000, "ignore_eos": True}) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_HF_MODEL_DIR"}
+    # SIGINT's default action restored in the child: a suite started in the background (`cmd &`) runs with SIGINT
+    # ignored, which the child would inherit (and then rightly ignore)
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer", "run", "offline", "--prompts-file", str(prompts),
                              "--format", "jsonl", "--output", str(out), "--max-num-seqs", "1", "--temperature", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not (out.exists() and out.read_text().count("\n") >= 1):

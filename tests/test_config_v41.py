@@ -114,3 +114,11 @@ def test_read_config_tells_the_family(tmp_path):
     assert read_config(tmp_path / "hf").max_position_embeddings == 1048576
     with pytest.raises(ConfigError, match="has no config.json"):
         read_config(tmp_path)
+
+
+def test_dspark_experts_default_to_the_backbones():
+    """0 or absent `dspark_n_routed_experts` / `dspark_n_activated_experts`: the backbone's (the reference's
+    get_moe_config)."""
+    raw = {k: v for k, v in INFERENCE.items() if k != "dspark_n_activated_experts"}
+    cfg = V41Config.from_dict(dict(raw, dspark_n_routed_experts=0))
+    assert (cfg.dspark.n_routed_experts, cfg.dspark.num_experts_per_tok) == (384, 6)

@@ -239,15 +239,18 @@ def test_block_pass_through_graphs(plain, spec):
 
 
 def test_the_cache_budget_keeps_room_for_dsparks_graph_buffers():
-    """On a device, DSpark's captured block passes keep base logits [requests, block, V] beyond the activations: the
-    cache's blocks come out of what is left, and a budget too small names them."""
+    """On a device, speculative decoding's captured graphs (the verify buckets' logits; DSpark's block passes' base
+    logits [requests, block, V]) are kept beyond the activations: the cache's blocks come out of what is left, and
+    a budget too small names them."""
     from deepinfer.errors import ConfigError
     from deepinfer.options import cache_spec, draft_graph_bytes
 
     cfg = ModelConfig.from_dict(TINY_DSPARK)
     reserve = draft_graph_bytes(cfg, 64, 2, torch.bfloat16)
     assert reserve == 64 * cfg.vocab_size * (cfg.dspark.block_size * 2 + 8)
-    assert draft_graph_bytes(cfg, 64, 0, torch.bfloat16) == 0  # speculative decoding off: no graphs
+    # with 4 drafts a request the verify buckets go past plain decoding's (1 .. 64): 128, 256 and 320 rows of logits
+    assert draft_graph_bytes(cfg, 64, 2, torch.bfloat16, 4) == reserve + (128 + 256 + 320) * cfg.vocab_size * 4
+    assert draft_graph_bytes(cfg, 64, 0, torch.bfloat16, 4) == 0  # speculative decoding off: no graphs
     from deepinfer.runtime.cache import CacheLayout, CacheSpec
 
     layout = CacheLayout.build(cfg, CacheSpec(0, 64, 4, 128), torch.bfloat16)
@@ -255,5 +258,5 @@ def test_the_cache_budget_keeps_room_for_dsparks_graph_buffers():
     plain = cache_spec(cfg, (free, free), torch.bfloat16, 64, 512, None, 1.0)
     kept = cache_spec(cfg, (free, free), torch.bfloat16, 64, 512, None, 1.0, reserve=40 * layout.block_bytes)
     assert (plain.num_blocks, kept.num_blocks) == (100, 60)
-    with pytest.raises(ConfigError, match="DSpark graphs"):
+    with pytest.raises(ConfigError, match="speculative graphs"):
         cache_spec(cfg, (free, free), torch.bfloat16, 64, 512, None, 1.0, reserve=100 * layout.block_bytes)

@@ -85,6 +85,17 @@ def test_seeded_outputs_equal_plain_decoding_alone_and_in_a_batch(path, plain):
     assert llm.generate(reqs[1], SEEDED[1], use_tqdm=False)[0].token_ids == want[1].token_ids
 
 
+def test_chunked_prompts_over_the_lookahead_rings_equal_plain_decoding(path, plain):
+    """Prompts prefilled 5 tokens a step (chunks starting inside a ratio-2 group, on rings with the lookahead's
+    rows) and then verified: plain decoding's tokens."""
+    reqs = prompts([29, 12, 17], seed=3)
+    want = plain.generate(reqs, GREEDY, use_tqdm=False)
+    llm = deepinfer.LLM(path, max_num_seqs=4, max_prefill_tokens=5)
+    oracle(llm, want, 0.8, 4)
+    assert tokens(llm.generate(reqs, GREEDY, use_tqdm=False)) == tokens(want)
+    assert llm.last_stats.spec.accepted[0] > 0 and llm.cache.paged.lookahead == 4
+
+
 def _capture(fn):
     """A stand-in for a CUDA graph capture: replays eagerly into the captured outputs."""
     out = fn()
@@ -143,10 +154,10 @@ def _state(cache: V41Cache, slot: int, end: int) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("prompt,kept", [(11, 1), (12, 2), (9, 3), (20, 5)])
+@pytest.mark.parametrize("prompt,kept", [(11, 1), (12, 1), (11, 2), (12, 2), (9, 3), (20, 4), (20, 5)])
 def test_rejected_verify_rows_leave_the_cache_of_a_run_that_never_drafted_them(spec, prompt, kept):
     """Slot 0: a prompt, then one verify step of its last token and 4 drafts (decode rows of one sequence) of which
-    `kept` rows stand. Slot 1: the same prompt, then the kept tokens decoded one at a time. Every piece of state the
+    `kept` rows stand (ending inside a ratio-2 group or on its boundary, or all kept). Slot 1: the same prompt, then the kept tokens decoded one at a time. Every piece of state the
     next step reads is equal (to fp32 rounding; FP4 codes up to a rare rounding flip), the kept rows' logits too,
     and so are the next three steps' logits."""
     model = spec.model

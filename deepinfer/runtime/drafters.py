@@ -189,9 +189,9 @@ class OracleDrafts:
     """Proposes `continuations[request index]` (the tokens after its prompt), each draft right with probability
     `accept` and otherwise replaced by another token (which the target rejects), keyed by (seed, position); its
     confidence is that probability (calibrated by construction). With `concentration` each draft's probability is
-    drawn instead, keyed by (seed, request, position), from a Beta distribution of mean `accept` and that
-    concentration (a + b): the acceptance at each position stays `accept` on average, and the confidences tell
-    the likely drafts from the unlikely ones, as a trained confidence head does."""
+    drawn instead (one stream per (seed, request), indexed by position) from a Beta distribution of mean `accept`
+    and that concentration (a + b): the acceptance at each position stays `accept` on average, and the
+    confidences tell the likely drafts from the unlikely ones, as a trained confidence head does."""
 
     def __init__(self, continuations: dict[int, list[int]], accept: float, vocab: int, seed: int = 0,
                  concentration: float | None = None):

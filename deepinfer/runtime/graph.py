@@ -20,12 +20,17 @@ from deepinfer.runtime.staging import DeviceIds, InputStage
 from deepinfer.model.decode import DecodeInputs
 from deepinfer.model.model import DeepseekV4
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # past 256: speculative verify rows
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """The batch sizes a graph is captured for (a step runs in the smallest that holds it)."""
     return tuple(b for b in DEFAULT_BUCKETS if b < max_batch) + (max_batch,)
+
+
+def graph_logits_bytes(max_batch: int, vocab: int) -> int:
+    """Device bytes of the fp32 logits buffers every captured bucket keeps (one per bucket, up to `max_batch`)."""
+    return sum(batch_buckets(max_batch)) * vocab * 4
 
 
 def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:

@@ -50,7 +50,7 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
         for r, cs in enumerate(confidences):
             survival = 1.0
             for j, c in enumerate(cs):
-                survival *= 0.0 if c < 0.0 else 1.0 if c > 1.0 else c
+                survival *= c if 0.0 <= c <= 1.0 else 1.0 if c > 1.0 else 0.0  # NaN: 0
                 pairs.append((-survival, j, r))
         pairs.sort()
         requests = [r for _, _, r in pairs]
@@ -62,7 +62,7 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
             conf = np.zeros((n, width))
             for r, cs in enumerate(confidences):
                 conf[r, : len(cs)] = cs
-        survival = np.cumprod(np.clip(conf, 0.0, 1.0), axis=1).ravel()
+        survival = np.cumprod(np.clip(np.nan_to_num(conf, nan=0.0), 0.0, 1.0), axis=1).ravel()
         draft, request = np.tile(np.arange(width), n), np.repeat(np.arange(n), width)
         order = np.lexsort((request, draft, -survival))
         if min(lengths) < width:

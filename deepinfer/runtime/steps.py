@@ -47,6 +47,19 @@ class ModelSteps(Protocol):
     def capture_all(self) -> list[torch.Tensor]: ...
 
 
+class SpeculativeSteps(ModelSteps, Protocol):
+    """What the speculator (`runtime/speculative.py`) needs beyond `ModelSteps` (both models; not several ranks):
+    `prefill(..., hidden=True)` also returns what the drafter reads, `verify` runs a request's last token and drafts
+    as rows of one step and `commit` keeps what stands; `verify_graphs` (None: eager) gives their buckets' costs."""
+
+    @property
+    def verify_graphs(self) -> Any: ...
+
+    def verify(self, ids: list[int], positions: list[int], seqs: Chunks) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def commit(self, seq: SeqCache, end: int) -> None: ...
+
+
 class V4Steps:
     """DeepSeek-V4: prefill eagerly over the paged cache, decode through the decode graphs."""
 
