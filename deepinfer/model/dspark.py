@@ -57,8 +57,20 @@ def pass_index(positions: torch.Tensor, starts: torch.Tensor, window: int, block
 
 
 class BlockDrafter:
-    """What DSpark's drafters share (V4's below, V4.1's in `model/v41_dspark.py`): a pass per request from its
-    `block` and the Markov head's drafts (`markov`)."""
+    """What DSpark's drafters share (V4's below, V4.1's in `model/v41_dspark.py`): the kept rows' main hidden
+    (`_main`), a pass per request from its `block` and the Markov head's drafts (`markov`)."""
+
+    def _main(self, taps: torch.Tensor, positions: torch.Tensor, seqs: Chunks):
+        """The rows of `seqs` the window rings keep (`kept_rows`, which advances the shares' counts): (their
+        `main_norm(main_proj(taps))`, positions, slots), or None when no row is kept."""
+        cfg, ops, w = self.model.cfg, self.model.ops, self.w
+        rows, slots = kept_rows(seqs, cfg.sliding_window)
+        if not rows:
+            return None
+        device = taps.device
+        picked = torch.tensor(rows, device=device)
+        main = ops.rms_norm(ops.linear(taps[picked], w.main_proj), w.main_norm, cfg.rms_norm_eps)
+        return main, positions[picked], torch.tensor(slots, device=device)
 
     @torch.inference_mode()
     def draft(self, cache, anchors: torch.Tensor, positions: torch.Tensor, shares: list[SeqCache],
@@ -94,15 +106,12 @@ class DSparkDrafter(BlockDrafter):
         """Rows the target kept: `taps` [N, taps * H] at `positions` [N]; `seqs` lists (draft share, first row,
         rows), each chunk continuing its share's count. Writes the last `sliding_window` rows of each chunk into
         every block's window ring (earlier ones would be overwritten); advances the counts."""
-        cfg, ops, w, eps = self.model.cfg, self.model.ops, self.w, self.model.cfg.rms_norm_eps
-        rows, slots = kept_rows(seqs, cfg.sliding_window)
-        if not rows:
+        ops, w, eps = self.model.ops, self.w, self.model.cfg.rms_norm_eps
+        kept = self._main(taps, positions, seqs)
+        if kept is None:
             return
-        device = taps.device
-        picked = torch.tensor(rows, device=device)
-        pos, slot = positions[picked], torch.tensor(slots, device=device)
+        main, pos, slot = kept
         rotated, rope = pos.to(torch.int32), self.ctx.rope
-        main = ops.rms_norm(ops.linear(taps[picked], w.main_proj), w.main_norm, eps)
         for block, layer in zip(w.blocks, cache.draft_layers):
             kv = ops.rms_norm(ops.linear(main, block.attn.kv_proj), block.attn.kv_norm, eps)
             kv = ops.rope(kv, rotated, rope.inv_freq, rope.attention_factor)

@@ -217,7 +217,6 @@ class DeepseekV41:
         back, dev = self.hasher.multipliers.shape[1] - 1, ids.device
         ring, slot = cache.classes.shape[1], slot.view(-1, 1)
         new = self.hasher.classes_of(ids.view(-1, length))
-        keep = torch.arange(max(0, length - ring), length, device=dev)
         if length == 1:
             cache.classes[slot, first.view(-1, 1) % ring] = new
             past = first.view(-1, 1) + torch.arange(-back, 1, device=dev)
@@ -225,5 +224,6 @@ class DeepseekV41:
         # a chunk: the earlier positions from the ring (read before its own rows enter it), its own from the ids
         past = first.view(-1, 1) + torch.arange(-back, 0, device=dev)
         history = torch.cat([torch.where(past >= 0, cache.classes[slot, past % ring], DEAD), new], dim=1)
+        keep = torch.arange(max(0, length - ring), length, device=dev)  # its last rows: earlier ones are overwritten
         cache.classes[slot, (first.view(-1, 1) + keep) % ring] = new[:, keep]
         return self.hasher.hashes(history).flatten(0, 1)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from deepinfer.model.attention import output_projection
-from deepinfer.model.dspark import BlockDrafter, kept_rows, pass_index
+from deepinfer.model.dspark import BlockDrafter, pass_index
 from deepinfer.model.v41_attention import WINDOW_FP8_GROUP, fp8_round
 from deepinfer.runtime.blocks import SeqCache
 
@@ -51,15 +51,11 @@ class V41DSparkDrafter(BlockDrafter):
         """Rows the target kept: `taps` [N, taps * H] at `positions` [N]; `seqs` lists (draft share, first row,
         rows), each chunk continuing its share's count. Writes the last `sliding_window` rows of each chunk into
         every block's ring (earlier ones would be overwritten); advances the counts."""
-        cfg, ops, w = self.model.cfg, self.model.ops, self.w
-        rows, slots = kept_rows(seqs, cfg.sliding_window)
-        if not rows:
+        kept = self._main(taps, positions, seqs)
+        if kept is None:
             return
-        device = taps.device
-        picked = torch.tensor(rows, device=device)
-        pos, slot = positions[picked], torch.tensor(slots, device=device)
-        main = ops.rms_norm(ops.linear(taps[picked], w.main_proj), w.main_norm, cfg.rms_norm_eps)
-        for block, ring in zip(w.blocks, cache.drafts):
+        main, pos, slot = kept
+        for block, ring in zip(self.w.blocks, cache.drafts):
             ring[slot, pos % ring.shape[1]] = self._kv(block, main, pos).to(ring.dtype)
 
     def _kv(self, block, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

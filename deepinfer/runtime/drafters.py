@@ -105,10 +105,11 @@ class DSparkDrafts:
     def __init__(self, model, cache, capture=None):
         """`capture`: the backend's graph capture (the block pass of each request-count bucket replays a graph);
         None: eager."""
+        from deepinfer.model.v41 import DeepseekV41
         from deepinfer.model.v41_dspark import V41DSparkDrafter
         from deepinfer.runtime.draft_graphs import DSparkGraphs
 
-        drafter = V41DSparkDrafter if hasattr(model, "hasher") else DSparkDrafter  # DeepSeek-V4.1 or V4
+        drafter = V41DSparkDrafter if isinstance(model, DeepseekV41) else DSparkDrafter
         self.cache, self.drafter = cache, drafter(model)
         self.graphs = DSparkGraphs(self.drafter, cache, cache.spec.max_seqs, capture) if capture else None
 

@@ -67,8 +67,8 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
         order = np.lexsort((request, draft, -survival))
         if min(lengths) < width:
             order = order[(draft < np.repeat(lengths, width))[order]]
-        requests = request[order].tolist()
-        gains = np.concatenate([[0.0], np.cumsum(survival[order])]).tolist()  # expected tokens of the first i
+        requests = request[order]
+        gains = np.concatenate([[0.0], np.cumsum(survival[order])])  # expected tokens of the first i
     total = len(requests)
     taken = 0
     rate = n / cost(n)
@@ -79,6 +79,8 @@ def verify_budget(confidences: Sequence[Sequence[float]], cost: Callable[[int], 
         if nxt <= rate:
             break  # the first drop (or no gain) ends the admission
         taken, rate = end, nxt
+    if isinstance(requests, np.ndarray):
+        return np.bincount(requests[:taken], minlength=n).tolist()
     counts = [0] * n
     for r in requests[:taken]:
         counts[r] += 1
