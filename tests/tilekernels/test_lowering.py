@@ -15,7 +15,7 @@ from codegen import Compiler
 from tilekernels.kernels import request
 from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, engram_gate, engram_lookup,
                              fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre, indexer_scores,
-                             indexer_scores_fp4, linear, linear_fp8, moe_experts, moe_gate, rms_norm, rope,
+                             indexer_scores_fp4, linear, linear_fp8, moe_decode, moe_experts, moe_gate, rms_norm, rope,
                              sparse_attention, split_sum, swiglu)
 
 # One bf16 variant per kernel, at V4-Flash widths.
@@ -31,6 +31,8 @@ CASES = {
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
     ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
     ("moe_experts", "grouped_gemm_fp4"): moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True),
+    ("moe_experts", "moe_route"): moe_decode.RouteVariant(256, 16, 64 * 6),
+    ("moe_experts", "moe_combine"): moe_decode.CombineVariant(4096, 6, "bfloat16"),
     ("hc_pre", "hc_pre_split"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),  # sm90: hc_mixes_sm90's GEMM
     ("hc_pre", "hc_pre_finish"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
@@ -68,6 +70,8 @@ ODD = {
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
     ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
+    ("moe_experts", "moe_route"): moe_decode.RouteVariant(5, 64, 64 * 3),  # widths no thread count divides
+    ("moe_experts", "moe_combine"): moe_decode.CombineVariant(100, 3, "bfloat16"),
 }
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.
@@ -76,10 +80,14 @@ FP32 = {("linear", "gemm"): linear.Variant(512, 5120, "float32"),
 # V4.1's index keys in the FP4 cache: 128 wide, groups of 32, ue8m0 scales (CASES has the latents' variants)
 KEYS = {("fp4_pack", "fp4_pack"): fp4_pack.Variant(128, 32, "ue8m0", "bfloat16"),
         ("fp4_gather", "fp4_gather"): fp4_gather.Variant(128, 32, "ue8m0", "bfloat16")}
+# One token of o_a (8 groups, split K): the swapped decode variant, linear_decode_sm90's on sm_90a
+SWAPPED = {("linear", "gemm"): linear.variant(1, 1024, 4096, 8)}
 ALL = ([(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
-       + [(case, v) for case, v in FP32.items()] + [(case, v) for case, v in KEYS.items()])
+       + [(case, v) for case, v in FP32.items()] + [(case, v) for case, v in KEYS.items()]
+       + [(case, v) for case, v in SWAPPED.items()])
 IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
-       + [f"{c[0]}.{c[1]}-fp32" for c in FP32] + [f"{c[0]}.{c[1]}-keys" for c in KEYS])
+       + [f"{c[0]}.{c[1]}-fp32" for c in FP32] + [f"{c[0]}.{c[1]}-keys" for c in KEYS]
+       + [f"{c[0]}.{c[1]}-swapped" for c in SWAPPED])
 
 
 # Kernels lowered elsewhere: the K-permuted FP4 expert kernels are sm90 bodies (tests/test_fp4_repacked.py lowers
@@ -157,6 +165,8 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
         assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin for {case}"
         if case == ("linear", "gemm") and variant == CASES[case]:  # the GEMM uses each architecture's tensor-core instructions
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
+        if getattr(variant, "swapped", False):  # sm_90a: weight rows as wgmma's M, 16 token rows as its N
+            assert variant.split_k > 1 and (("64, 16, 16" in source) == (name == "sm90"))
         if case == ("linear", "gemm_fp8") and name == "sm90":  # Hopper's FP8 wgmma, fed by TMA
             assert "wgmma_ss<tl::DataType::kFloat8_e4m3" in source and "tma_load" in source
 

@@ -12,7 +12,8 @@ stored. A dimension smaller than the tile gets a tile rounded up to a multiple o
 a tensor-core shape). When N and K divide the tile no check is emitted: the big shapes cost nothing extra.
 
 On sm90 the prefill variants (one group of 16-bit operands, more than ROW_BUCKETS[1] rows) run the override in
-`linear_sm90` (swizzled wgmma tiles, the output staged for a TMA store).
+`linear_sm90` (swizzled wgmma tiles, the output staged for a TMA store), the narrow (decode) 16-bit variants the one
+in `linear_decode_sm90` (swapped operands: weight rows as the wgmma's M, a few token rows as its N).
 """
 
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 
 from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
-from tilekernels.ops import linear_fp8, linear_sm90, split_sum
+from tilekernels.ops import linear_decode_sm90, linear_fp8, linear_sm90, split_sum
 from tilekernels.ops.linear_sm90 import Tiles
 from tilekernels.quant import BlockQuantized, dense
 
@@ -39,6 +40,8 @@ class Variant:
     groups: int = 1
     split_k: int = 1  # >1: each tile sums a slice of K into an fp32 workspace [split_k, M, G, N]
     narrow: bool = False  # few rows (decode): 64x64 tiles so that more programs share the weight stream
+    swapped: bool = False  # a few rows of a large weight (`SWAP_ROWS`, `SWAP_WEIGHT`): narrow, and on sm_90a the
+    # weight rows are the MMA's M (`linear_decode_sm90`); the portable body reads it as any narrow variant
 
 
 @dataclass(frozen=True)
@@ -74,18 +77,23 @@ def shape(v: Variant, cfg: Config) -> tuple[int, int, int, int, int]:
     return BM, BN, NT, BK, KB // v.split_k
 
 
+def operands(v: Variant, M) -> tuple[tuple, tuple, tuple, str]:
+    """The kernel's tensor shapes for `M` rows (A, W, C) and C's dtype: 2-D with one group, 3-D views with more
+    (each dimension bounds-checked on its own); split K writes fp32 partials [split_k, ...]."""
+    N, K, G, SK = v.n, v.k, v.groups, v.split_k
+    split = (SK,) if SK > 1 else ()
+    if G > 1:
+        return (M, G, K), (G, N, K), split + (M, G, N), "float32" if SK > 1 else v.dtype
+    return (M, K), (N, K), split + (M, N), "float32" if SK > 1 else v.dtype
+
+
 def body(P, v: Variant, cfg: Config):
     T = P.T
-    N, K, G, SK, dtype = v.n, v.k, v.groups, v.split_k, v.dtype
+    G, SK, dtype = v.groups, v.split_k, v.dtype
     BM, BN, NT, BK, KT = shape(v, cfg)
     M = T.dynamic("M")
-    out_dtype = "float32" if SK > 1 else dtype
-    split = (SK,) if SK > 1 else ()
     grouped = G > 1
-    if grouped:
-        a_shape, w_shape, c_shape = (M, G, K), (G, N, K), split + (M, G, N)
-    else:
-        a_shape, w_shape, c_shape = (M, K), (N, K), split + (M, N)
+    a_shape, w_shape, c_shape, out_dtype = operands(v, M)
 
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, dtype), W: T.Tensor(w_shape, dtype), C: T.Tensor(c_shape, out_dtype)):
@@ -130,16 +138,23 @@ KERNEL = Kernel("gemm", body, configs={
     "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64, fp32_block_k=32),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,
-}, overrides=(Override("sm90", linear_sm90.supports, linear_sm90.body),))
+}, overrides=(Override("sm90", linear_decode_sm90.fits, linear_decode_sm90.body),
+               Override("sm90", linear_sm90.supports, linear_sm90.body)))
 
 
 TARGET_PROGRAMS = 256  # split K until about this many programs run (small GEMMs stream the weight)
 ROW_BUCKETS = (64, 511)  # decode-sized (narrow tiles) | medium (split K) | large (plain)
+# up to SWAP_ROWS rows a weight of at least SWAP_WEIGHT values (all groups) takes the swapped decode variant:
+# benchmarks/tune_linear_decode.py on the H200 (2026-12-02), swapped against the narrow tile: lm_head 245 / 417 us
+# at one row, 244 / 383 at 4, the 16-67 MB projections 8-22 % faster at 1-4 rows; the 4-8 MB ones slower, and at
+# 16 rows and more the narrow tile is as fast or faster (64 rows: 2-4x)
+SWAP_ROWS = 8
+SWAP_WEIGHT = 8 << 20
 
 
 def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16", invariant: bool = False) -> Variant:
     """The one place the GEMM variant of a call is chosen, by row bucket, so a model needs three variants per
-    projection at most: up to 64 rows use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a
+    projection at most (four for a large weight: `SWAP_ROWS`): up to 64 rows use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a
     power of two, each slice at least 256 deep and a whole number of 64-wide K tiles) until there are enough
     programs; from 512 rows on, the row tiles alone are enough. Ragged K never splits. `invariant`: the split is
     the decode bucket's at every row count (a row's K order is then a function of the shape alone; the tile still
@@ -150,7 +165,8 @@ def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16",
         return Variant(n, k, dtype, groups, split_factor(True, n, k, groups, k_tiles), narrow)
     if rows > ROW_BUCKETS[1]:
         return Variant(n, k, dtype, groups)
-    return Variant(n, k, dtype, groups, split_factor(narrow, n, k, groups, k_tiles), narrow)
+    swapped = rows <= SWAP_ROWS and n * k * groups >= SWAP_WEIGHT
+    return Variant(n, k, dtype, groups, split_factor(narrow, n, k, groups, k_tiles), narrow, swapped)
 
 
 def split_factor(narrow: bool, n: int, k: int, groups: int, k_tiles: int) -> int:
@@ -204,5 +220,5 @@ OP = OpDecl(
     "linear", "dense projection y = x @ W^T", reference,
     kernels=(KERNEL, linear_fp8.KERNEL, split_sum.KERNEL),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
-    run=run, example=example, uses=("act_quant",), row_samples=(ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
+    run=run, example=example, uses=("act_quant",), row_samples=(SWAP_ROWS + 1, ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
 )

@@ -4,7 +4,7 @@ scaled by its routing weight (applied after the down projection), into the token
 Kernel path: the (token, slot) rows are sorted by expert into an expert-major layout where each expert's rows
 start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
-back per token. FP4 and bf16 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
+back per token (`moe_decode`: the layout at decode sizes and the weighted sum are kernels too). FP4 and bf16 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
 the bf16 ones run the swapped-operand weight-streaming kernel of `moe_bf16_sm90`. On sm_90a every
 FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
 registers; 64-row tiles at prefill sizes; with `moe_fp4.REPACKED`, on the K-permuted layout of `moe_fp4_sm90`,
@@ -25,6 +25,7 @@ from tilekernels.op import Kernel, OpDecl, Override, require
 from tilekernels.ops import (
     linear,
     moe_bf16_sm90,
+    moe_decode,
     moe_fp4,
     moe_fp4_sm90,
     moe_fp4_sm100,
@@ -334,19 +335,21 @@ def run(launch, x, weights, indices, gate_up, down, limit):
         for w, v in ((gate_up, up_v), (down, down_v)):  # what a target that repacks these weights at load launches
             if kperm_fits(w):
                 launch(KERNELS_KPERM["kperm1"].name, v)
-    dest, tiles = layout(indices, experts, up_v.block_m)
-    total = tiles.numel() * up_v.block_m
     top_k = indices.shape[1]
+    if n_tok <= DECODE_TOKENS:  # one kernel instead of ~15 small PyTorch ones (moe_decode)
+        dest, tiles = moe_decode.route(launch, indices, experts, up_v.block_m, DECODE_TOKENS * top_k)
+    else:
+        dest, tiles = layout(indices, experts, up_v.block_m)
+    total = tiles.numel() * up_v.block_m
     rows = torch.empty(total, hidden, dtype=x.dtype, device=x.device)  # padding rows' results are never read
-    rows.index_copy_(0, dest, x[:, None].expand(n_tok, top_k, hidden).reshape(-1, hidden))
+    rows[dest.view(n_tok, top_k)] = x[:, None].expand(n_tok, top_k, hidden)
     h = torch.empty(total, two_i, dtype=x.dtype, device=x.device)
     launch(up_kernel, up_v)(rows, *_operands(gate_up), tiles, h)
     a = swiglu.run(launch.op("swiglu"), h, limit)
     y = torch.empty(total, hidden, dtype=x.dtype, device=x.device)
     launch(down_kernel, down_v)(a, *_operands(down), tiles, y)
     # each token's k rows weighted in fp32 and summed in slot order (deterministic: no atomics)
-    picked = y.index_select(0, dest).view(n_tok, top_k, hidden)
-    return (picked * weights.float()[..., None]).sum(1).to(x.dtype)
+    return moe_decode.combine(launch, y, dest, weights, dtype)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
@@ -372,7 +375,7 @@ def example(v: Variant, rows: int, device) -> tuple:
 
 OP = OpDecl(
     "moe_experts", "grouped expert GEMMs (gate_up, clipped SwiGLU, down) with weighted combine", reference,
-    kernels=(KERNEL, KERNEL_FP4, *KERNELS_KPERM.values()),
+    kernels=(KERNEL, KERNEL_FP4, *KERNELS_KPERM.values(), moe_decode.ROUTE, moe_decode.COMBINE),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (3e-2, 3e-2)},
     run=run, example=example, uses=("swiglu",), row_samples=(DECODE_TOKENS + 1,),
 )
