@@ -140,6 +140,11 @@ class EmulatedLaunch:
         return lambda kernel, v: (lambda rows, y, limit: y.copy_(swiglu.reference(rows, limit)))
 
     def __call__(self, kernel, v):
+        if kernel == "moe_route":  # the layout and the weighted sum (tests/tilekernels/test_moe_decode.py) as torch
+            return lambda flat, dest, tiles: (dest.copy_(moe_experts.layout(flat, v.experts, v.block_m)[0]),
+                                              tiles.copy_(moe_experts.layout(flat, v.experts, v.block_m)[1]))
+        if kernel == "moe_combine":
+            return lambda y, dest, w, out: out.copy_((y[dest].view(*w.shape, -1).float() * w[..., None]).sum(1))
         self.kernels.append((kernel, v.block_m))
         decode = kernel.removeprefix("grouped_gemm_fp4_")
         assert decode in moe_fp4.KPERM, kernel
@@ -199,9 +204,9 @@ def test_the_compile_plan_lists_the_repacked_kernels_only_with_the_switch(monkey
         return {k for op, k, _ in rec.seen if op == "moe_experts"}
 
     monkeypatch.setattr(moe_fp4, "REPACKED", False)
-    assert kernels() == {"grouped_gemm_fp4"}
+    assert kernels() == {"grouped_gemm_fp4", "moe_route", "moe_combine"}
     monkeypatch.setattr(moe_fp4, "REPACKED", True)
-    assert kernels() == {"grouped_gemm_fp4", "grouped_gemm_fp4_kperm1"}
+    assert kernels() == {"grouped_gemm_fp4", "grouped_gemm_fp4_kperm1", "moe_route", "moe_combine"}
 
 
 @pytest.mark.parametrize("decode", ["kperm", "kperm1"])

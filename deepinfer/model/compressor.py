@@ -98,20 +98,19 @@ def compress_decode(
     lay, d = comp.layout, w.kv_norm.shape[0]
     slots, positions, blocks = inp.slots, inp.positions, inp.blocks
     rate, ring = lay.rate, lay.buffer_rows
-    # the buffer place, whether a window closes, the entry that closes now (where one closes), the rows of the
-    # row's window in the ring (and of the window before it)
-    at, closing, entry, window = rows.get(("closing", rate, ring), lambda: (
-        lay.buffer_index(slots, positions), lay.closing(positions), lay.closing_entry(positions),
-        (positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)))
+    # the buffer place, the entry that closes now (where one closes), the ring rows of the row's window (and of the
+    # window before it, with where no window is before it): made once per step for every compressor of this geometry
+    at, entry, ring_rows = rows.get(("closing", rate, ring), lambda: (
+        lay.buffer_index(slots, positions), lay.closing_entry(positions),
+        ((positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)) % ring))
     comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
     comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
     owner = slots.view(-1, 1)
-    chunk_kv = comp.buf_kv[owner, window % ring]  # [B, rate, width]
-    chunk_gate = comp.buf_gate[owner, window % ring] + w.position_bias
+    chunk_kv = comp.buf_kv[owner, ring_rows]  # [B, rate, width]
+    chunk_gate = comp.buf_gate[owner, ring_rows] + w.position_bias
     if comp.overlap:
-        before = (window - rate) % ring
-        prior_gate = comp.buf_gate[owner, before][..., :d] + w.position_bias[:, :d]
-        prior_gate = torch.where((entry > 0).view(-1, 1, 1), prior_gate, torch.full_like(prior_gate, float("-inf")))
+        before, first = rows.get(("before", rate, ring), lambda: ((ring_rows - rate) % ring, (entry == 0).view(-1, 1, 1)))
+        prior_gate = (comp.buf_gate[owner, before][..., :d] + w.position_bias[:, :d]).masked_fill_(first, float("-inf"))
         slots_kv = torch.cat([comp.buf_kv[owner, before][..., :d], chunk_kv[..., d:]], dim=1)
         slots_gate = torch.cat([prior_gate, chunk_gate[..., d:]], dim=1)
     else:

@@ -69,6 +69,7 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "hc_pre": ("hc_pre", hc_pre.Variant(4, 64, 20, F), 5),
     "hc_pre-ragged": ("hc_pre", hc_pre.Variant(3, 40, 3, F), 3),
     "hc_pre-split-ragged": ("hc_pre", hc_pre.Variant(3, 520, 3, F), 2),  # split K: 4 parts, the last masked
+    "hc_pre-v4-flash": ("hc_pre", hc_pre.Variant(4, 4096, 3, F), 2),  # V4-Flash's width: 32 parts of 512 columns
     "hc_post": ("hc_post", hc_post.Variant(4, 64, F), 5),
     "hc_post-ragged": ("hc_post", hc_post.Variant(4, 100, F), 1),
     "sparse_attention": ("sparse_attention", sparse_attention.Variant(16, 32, F), 3),

@@ -70,8 +70,6 @@ ODD = {
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
     ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
-    ("moe_experts", "moe_route"): moe_decode.RouteVariant(5, 64, 64 * 3),  # widths no thread count divides
-    ("moe_experts", "moe_combine"): moe_decode.CombineVariant(100, 3, "bfloat16"),
 }
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.

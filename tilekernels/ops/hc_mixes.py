@@ -69,7 +69,8 @@ CONFIGS = {"default": Config(), "c": Config(chunk=64, threads=1)}
 # chunks fill the GPU at decode, and at prefill the sm_90a GEMM's (64 tokens, part) tiles do (a pass per token
 # re-read all of fn from L2 for every token: 2 ms for 4096 V4-Flash tokens on the H200)
 SPLIT_COLUMNS = 512  # parts cover whole multiples of the GPU chunk (the c target's 64 divides it)
-MAX_SPLIT = 20  # at most this many parts per token: V4.1's 40 chunks in 20 parts of 2, V4's 32 in 16
+MAX_SPLIT = 32  # at most this many parts per token: V4.1's 40 chunks in 20 parts of 2, V4's 32 in 32 (one chunk
+# each: at one token the sm_90a partials were a chain of 16 pipeline steps, 11.3 of the pre-block's 19 us)
 
 
 def split_for(columns: int) -> int:
