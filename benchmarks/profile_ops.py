@@ -83,7 +83,8 @@ def traced_step(step) -> list:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA and (ev.device_time > 0 or MARKER in ev.name)]
+    events = [ev for ev in prof.events()
+              if ev.device_type == torch.autograd.DeviceType.CUDA and (ev.device_time > 0 or MARKER in ev.name)]
     events.sort(key=lambda ev: ev.time_range.start)
     names = sorted({ev.name for ev in events})
     if not any(MARKER in n for n in names):
@@ -154,7 +155,8 @@ def main() -> None:
                 print(f"{name} ({us:.1f} us): " + ", ".join(f"{k[:28]} {t:.1f}" for k, t in kernels))
         out["points"].append(dict(label=label, wall_ms=wall, busy_ms=busy,
                                   ops={n: dict(calls=c, kernels=k, us=u) for n, (c, k, u) in ops.items()},
-                                  glue={n: dict(kernels=k, us=u, by_kernel={kn: dict(count=c, us=t) for kn, (c, t) in by.items()})
+                                  glue={n: dict(kernels=k, us=u, by_kernel={kn: dict(count=c, us=t)
+                                                                           for kn, (c, t) in by.items()})
                                         for n, (k, u, by) in glue.items()}, order=order))
         del cache, graphs, eager
         torch.cuda.empty_cache()

@@ -109,7 +109,8 @@ def compress_decode(
     chunk_kv = comp.buf_kv[owner, ring_rows]  # [B, rate, width]
     chunk_gate = comp.buf_gate[owner, ring_rows] + w.position_bias
     if comp.overlap:
-        before, first = rows.get(("before", rate, ring), lambda: ((ring_rows - rate) % ring, (entry == 0).view(-1, 1, 1)))
+        before, first = rows.get(("before", rate, ring),
+                                 lambda: ((ring_rows - rate) % ring, (entry == 0).view(-1, 1, 1)))
         prior_gate = (comp.buf_gate[owner, before][..., :d] + w.position_bias[:, :d]).masked_fill_(first, float("-inf"))
         slots_kv = torch.cat([comp.buf_kv[owner, before][..., :d], chunk_kv[..., d:]], dim=1)
         slots_gate = torch.cat([prior_gate, chunk_gate[..., d:]], dim=1)

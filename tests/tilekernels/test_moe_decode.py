@@ -49,3 +49,10 @@ def test_the_op_routes_by_kernel_up_to_the_decode_tokens():
     assert {"moe_route", "moe_combine"} <= kernels(moe_experts.DECODE_TOKENS)
     assert "moe_route" not in kernels(moe_experts.DECODE_TOKENS + 1)
     assert "moe_combine" in kernels(moe_experts.DECODE_TOKENS + 1)
+
+
+def test_no_rows_launch_nothing():
+    rec = Recorder()
+    args = moe_experts.example(moe_experts.Variant(64, 32, 16, "float32"), 0, "cpu")
+    out = moe_experts.run(rec.for_op("moe_experts"), *args)
+    assert out.shape == (0, 32) and not rec.seen

@@ -12,8 +12,9 @@ stored. A dimension smaller than the tile gets a tile rounded up to a multiple o
 a tensor-core shape). When N and K divide the tile no check is emitted: the big shapes cost nothing extra.
 
 On sm90 the prefill variants (one group of 16-bit operands, more than ROW_BUCKETS[1] rows) run the override in
-`linear_sm90` (swizzled wgmma tiles, the output staged for a TMA store), the narrow (decode) 16-bit variants the one
-in `linear_decode_sm90` (swapped operands: weight rows as the wgmma's M, a few token rows as its N).
+`linear_sm90` (swizzled wgmma tiles, the output staged for a TMA store), the swapped 16-bit variants (a few decode
+rows of a large weight: `SWAP_ROWS`) the one in `linear_decode_sm90` (weight rows as the wgmma's M, token rows as
+its N).
 """
 
 from dataclasses import dataclass, field
@@ -154,9 +155,9 @@ SWAP_WEIGHT = 8 << 20
 
 def variant(rows: int, n: int, k: int, groups: int = 1, dtype: str = "bfloat16", invariant: bool = False) -> Variant:
     """The one place the GEMM variant of a call is chosen, by row bucket, so a model needs three variants per
-    projection at most (four for a large weight: `SWAP_ROWS`): up to 64 rows use 64x64 tiles; up to 511 rows use the wide tiles; both split K (a
-    power of two, each slice at least 256 deep and a whole number of 64-wide K tiles) until there are enough
-    programs; from 512 rows on, the row tiles alone are enough. Ragged K never splits. `invariant`: the split is
+    projection at most (four for a large weight: up to `SWAP_ROWS` rows its swapped variant): up to 64 rows use
+    64x64 tiles; up to 511 rows use the wide tiles; both split K (a power of two, each slice at least 256 deep and
+    a whole number of 64-wide K tiles) until there are enough programs; from 512 rows on, the row tiles alone are enough. Ragged K never splits. `invariant`: the split is
     the decode bucket's at every row count (a row's K order is then a function of the shape alone; the tile still
     follows the rows, which changes no row's sum: tests/gpu/test_batch_invariance_gpu.py)."""
     k_tiles = k // 64 if k % 64 == 0 else 1
@@ -220,5 +221,6 @@ OP = OpDecl(
     "linear", "dense projection y = x @ W^T", reference,
     kernels=(KERNEL, linear_fp8.KERNEL, split_sum.KERNEL),
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
-    run=run, example=example, uses=("act_quant",), row_samples=(SWAP_ROWS + 1, ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
+    run=run, example=example, uses=("act_quant",),
+    row_samples=(SWAP_ROWS + 1, ROW_BUCKETS[0] + 1, ROW_BUCKETS[1] + 1),
 )

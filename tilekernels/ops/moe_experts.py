@@ -4,7 +4,8 @@ scaled by its routing weight (applied after the down projection), into the token
 Kernel path: the (token, slot) rows are sorted by expert into an expert-major layout where each expert's rows
 start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
-back per token (`moe_decode`: the layout at decode sizes and the weighted sum are kernels too). FP4 and bf16 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
+back per token (`moe_decode`: the layout at decode sizes and the weighted sum are kernels too). FP4 and bf16
+experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
 the bf16 ones run the swapped-operand weight-streaming kernel of `moe_bf16_sm90`. On sm_90a every
 FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
 registers; 64-row tiles at prefill sizes; with `moe_fp4.REPACKED`, on the K-permuted layout of `moe_fp4_sm90`,
@@ -336,6 +337,8 @@ def run(launch, x, weights, indices, gate_up, down, limit):
             if kperm_fits(w):
                 launch(KERNELS_KPERM["kperm1"].name, v)
     top_k = indices.shape[1]
+    if n_tok == 0:  # no rows: no launch (an empty grid is not a launch on a GPU)
+        return torch.zeros_like(x)
     if n_tok <= DECODE_TOKENS:  # one kernel instead of ~15 small PyTorch ones (moe_decode)
         dest, tiles = moe_decode.route(launch, indices, experts, up_v.block_m, DECODE_TOKENS * top_k)
     else:
