@@ -8,8 +8,8 @@ Prints per point: the replay's wall time (CUDA events), the kernels per step, th
 between them (wall - summed kernel time: launch latency inside the graph), then the top kernels by time. Every
 TileLang kernel is named `kernel_kernel`: the table tells the TileLang kernels as a whole from PyTorch's (the
 indexing, concatenation and cache arithmetic between the ops, and the ops that run their PyTorch reference).
-(Attributing kernels to ops through profiler ranges around an eager step does not work here: a range's event
-appears twice, host and device, and kernels launched through TVM-FFI are not linked to the host range.)
+(Profiler ranges cannot attribute kernels to ops here: kernels launched through TVM-FFI are not linked to the host
+range. `benchmarks/profile_ops.py` does it with marker kernels around each op call.)
 """
 
 from __future__ import annotations

@@ -46,14 +46,14 @@ def fits(v) -> bool:
 
 
 def body(P, v, cfg=None, tune: Tune | None = None):
-    """linear's gemm for a narrow variant on sm_90a: A [M, K] (or [M, G, K]), W [N, K] (or [G, N, K]) ->
+    """linear's gemm for a swapped variant on sm_90a: A [M, K] (or [M, G, K]), W [N, K] (or [G, N, K]) ->
     C [M, N] (or [M, G, N]) in A's dtype, or fp32 partials [split_k, ...] when the variant splits K."""
     from tilekernels.ops import linear  # linear imports this module for its override table
 
     tune = tune or TUNE
     T = P.T
     N, K, G, SK, dtype = v.n, v.k, v.groups, v.split_k, v.dtype
-    require(fits(v), "linear", f"the sm_90a decode kernel takes narrow 16-bit variants with K % 64 == 0, got {v}")
+    require(fits(v), "linear", f"the sm_90a decode kernel takes swapped 16-bit variants with K % 64 == 0, got {v}")
     require(tune.block_n % 64 == 0 and tune.block_m % 8 == 0 and tune.block_k % 64 == 0, "linear",
             f"bad decode tile {tune}: 64 weight rows per warpgroup, token rows a multiple of 8, K steps of 64")
     require(K % SK == 0 and (K // SK) % 64 == 0, "linear", f"K={K} cannot be split {SK} ways in 64-wide tiles")

@@ -213,20 +213,14 @@ DECODE_BLOCK_M = 16  # FP4 and bf16 experts at decode: rows per tile (wgmma N on
 DECODE_TOKENS = 64  # up to this many tokens the FP4 and bf16 experts run their decode variants
 
 
-SMALL_LAYOUT = 1 << 17  # rows x experts up to which `layout` takes its one-hot path: decode batches (64 tokens x top-8 x
-# 256 experts); with the one-hot path at 256 tokens (1,536 x 256) the op was 6 % slower on the H200 than with the sort
-
-
 def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-major padded layout without a host sync (CUDA-graph safe): the destination row of every
     (token, slot) in flat order, and the expert of each M tile (-1 past the last expert's rows). Each expert's
     rows start on a tile boundary, in flat order within the expert; the tile count is the static bound
-    ceil((R + min(R, E)*(bm-1)) / bm). Small batches (R x E <= SMALL_LAYOUT) take a one-hot running count (about
-    12 small kernels, no sort), larger ones a stable sort; both give the same result."""
+    `moe_decode.tile_bound`. Above DECODE_TOKENS tokens `run` takes it (a stable sort); at decode sizes the
+    `moe_route` kernel computes the same result (this is its reference: tests/tilekernels/test_moe_decode.py)."""
     flat = indices.reshape(-1)
-    n_tiles = -(-(flat.numel() + min(flat.numel(), experts) * (bm - 1)) // bm)
-    if 0 < flat.numel() * experts <= SMALL_LAYOUT:
-        return _layout_small(flat, experts, bm, n_tiles)
+    n_tiles = moe_decode.tile_bound(flat.numel(), experts, bm)
     counts = torch.zeros(experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync
     padded = (counts + bm - 1) // bm * bm
@@ -241,19 +235,6 @@ def layout(indices: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, 
     expert = torch.searchsorted(ends, tile_start, right=True)
     tiles = torch.where(expert < experts, expert, torch.full_like(expert, -1)).to(torch.int32)
     return dest, tiles
-
-
-def _layout_small(flat: torch.Tensor, experts: int, bm: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layout` through a running count of a [R, E] one-hot: row r's rank within its expert is the count of
-    that expert up to r (the same flat order as the stable sort)."""
-    ids = torch.arange(max(experts, n_tiles), device=flat.device)  # expert ids and tile ids: one kernel
-    seen = (flat[:, None] == ids[:experts]).cumsum(0)  # [R, E]: inclusive counts
-    expert_tiles = (seen[-1] + (bm - 1)).div_(bm, rounding_mode="floor")
-    tile_end = expert_tiles.cumsum(0)  # one past each expert's last tile
-    first_row = (tile_end - expert_tiles).mul_(bm).sub_(1)  # each expert's first row, minus 1 (ranks count from 1)
-    dest = seen.add_(first_row).gather(1, flat[:, None]).squeeze(1)
-    tiles = torch.searchsorted(tile_end, ids[:n_tiles], right=True, out_int32=True)
-    return dest, tiles.masked_fill_(tiles == experts, -1)
 
 
 def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False, tokens: int | None = None) -> Variant:
