@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--prefill-chunks", default="4096",
+                        help="prompt tokens per prefill call (a list: each prefill size is measured at each)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--quantized", action="store_true", help="V4's FP8 / FP4 weight formats (see above)")
     parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
@@ -225,31 +227,41 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
             cache = graphs = None
             torch.cuda.empty_cache()
     for n in (4096, 16384):
-        from deepinfer.runtime.cache import CacheSpec, PagedCache
+        for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
+            if chunk <= n:
+                row = prefill(model, cfg, dtype, n, chunk)
+                results["prefill"].append(dict(row, invariant=invariant))
 
-        ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
-        cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),
-                           dtype, "cuda")
-        seq = cache.admit()
-        cache.grow(seq, n)
 
-        def run_prefill():
-            seq.num_tokens = 0
-            for start in range(0, n, 4096):
-                model.prefill(cache, ids[start : start + 4096], torch.arange(start, start + 4096, device="cuda"),
-                              [(seq, 0, 4096)], torch.tensor([4095], device="cuda"))
+def prefill(model, cfg, dtype, n: int, chunk: int) -> dict:
+    """One sequence of `n` random tokens prefilled in calls of `chunk` tokens: the best of two warm runs."""
+    from deepinfer.runtime.cache import CacheSpec, PagedCache
 
-        times = []
-        for _ in range(3):  # the first run loads kernels and warms allocator and caches: the best of the next two
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            with torch.inference_mode():
-                run_prefill()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - begin)
-        secs = min(times[1:])
-        results["prefill"].append(dict(tokens=n, seconds=secs, tok_s=n / secs, first_run_s=times[0], invariant=invariant))
-        print(f"prefill {n} tokens: {secs:.3f} s, {n / secs:.0f} tok/s (warm; first run {times[0]:.2f} s)", flush=True)
+    ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+    cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),
+                       dtype, "cuda")
+    seq = cache.admit()
+    cache.grow(seq, n)
+
+    def run_prefill():
+        seq.num_tokens = 0
+        for start in range(0, n, chunk):
+            size = min(chunk, n - start)
+            model.prefill(cache, ids[start : start + size], torch.arange(start, start + size, device="cuda"),
+                          [(seq, 0, size)], torch.tensor([size - 1], device="cuda"))
+
+    times = []
+    for _ in range(3):  # the first run loads kernels and warms allocator and caches: the best of the next two
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            run_prefill()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    secs = min(times[1:])
+    print(f"prefill {n} tokens in chunks of {chunk}: {secs:.3f} s, {n / secs:.0f} tok/s (warm; first run "
+          f"{times[0]:.2f} s)", flush=True)
+    return dict(tokens=n, chunk=chunk, seconds=secs, tok_s=n / secs, first_run_s=times[0])
 
 
 def invariance_cost(results: dict) -> str:
@@ -259,7 +271,7 @@ def invariance_cost(results: dict) -> str:
     for r in results["decode"]:
         rows.setdefault((f"decode step ms, context {r['context']}, batch {r['batch']}", "ms"), {})[r["invariant"]] = r["step_ms"]
     for r in results["prefill"]:
-        rows.setdefault((f"prefill {r['tokens']} tokens, tok/s", "tok/s"), {})[r["invariant"]] = r["tok_s"]
+        rows.setdefault((f"prefill {r['tokens']} tokens in chunks of {r['chunk']}, tok/s", "tok/s"), {})[r["invariant"]] = r["tok_s"]
     for (name, unit), v in rows.items():
         if len(v) == 2:
             slow = v[True] / v[False] - 1 if unit == "ms" else v[False] / v[True] - 1

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 from deepinfer.assemble import EngineOptions, assemble_v4, assemble_v41, check_v41_backend, progress_bar
 from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.runtime.backend import select as select_backend
+from deepinfer.runtime.scheduler import MAX_PREFILL_TOKENS
 from deepinfer.runtime.engine import Engine, RunStats
 from deepinfer.runtime.speculative import speculator
 from deepinfer.runtime.prefix import PrefixMode
@@ -46,7 +47,7 @@ class LLM:
         dtype: str = "auto",
         tokenizer: str | Path | None = None,
         max_num_seqs: int = 64,
-        max_prefill_tokens: int = 2048,
+        max_prefill_tokens: int = MAX_PREFILL_TOKENS,
         max_model_len: int | None = None,
         num_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,

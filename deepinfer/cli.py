@@ -25,6 +25,7 @@ from deepinfer.env import MAX_DRAFT_TOKENS
 from deepinfer.errors import ConfigError, DeepInferError, RequestError
 from deepinfer.runtime.prefix import MODES as PREFIX_MODES
 from deepinfer.runtime.sampling import MAX_LOGPROBS
+from deepinfer.runtime.scheduler import MAX_PREFILL_TOKENS
 
 
 def _process_age() -> float:
@@ -113,7 +114,7 @@ def run() -> None:
                    "reference ops); or an alias: cpu = reference, nvidia = the SM of the visible GPU [default: "
                    "$DEEPINFER_ACCELERATOR, else the visible device's target, else reference]")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Requests run together.")
-@click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+@click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=MAX_PREFILL_TOKENS, show_default=True,
               help="Prompt tokens per prefill step.")
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help="Longest sequence (prompt + output) [default: min(model limit, 8192)].")

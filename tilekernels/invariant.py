@@ -27,6 +27,7 @@ ENTRIES = 16  # indexer entries per piece
 TOKEN_ARGS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "act_quant": ((0,), ()),
     "compress_pool": ((0, 1), ()),
+    "compress_ring": ((3, 4), ()),
     "grouped_linear": ((0,), ()),
     "hc_head": ((0,), ()),
     "hc_post": ((0, 1, 2, 3), ()),

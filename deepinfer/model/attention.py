@@ -15,6 +15,7 @@ import torch
 from deepinfer.runtime.cache import LayerCache, SeqCache
 from deepinfer.config import CSA, ModelConfig
 from deepinfer.model.compressor import RopeTables, compress_prefill
+from deepinfer.model.stacked import project_all
 from deepinfer.model.weights import Attention
 from tilekernels import OpTable
 
@@ -42,20 +43,25 @@ class Projected:
 
 def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor) -> Projected:
     cfg, ops, n, eps = ctx.cfg, ctx.ops, x.shape[0], ctx.cfg.rms_norm_eps
-    q_res = ops.rms_norm(ops.linear(x, w.q_a_proj), w.q_a_norm, eps)
+    stacked = project_all(ops, x, w.inputs)  # the parts that share a stack: one GEMM for them all
+
+    def lin(name: str, weight) -> torch.Tensor:
+        return stacked[name] if name in stacked else ops.linear(x, weight)
+
+    q_res = ops.rms_norm(lin("q_a", w.q_a_proj), w.q_a_norm, eps)
     q = ops.linear(q_res, w.q_b_proj).view(n, cfg.num_attention_heads, cfg.head_dim)
     q = ops.rope(ops.rms_norm_unweighted(q, eps), pos, ctx.rope.inv_freq, ctx.rope.attention_factor)
-    kv = ops.rms_norm(ops.linear(x, w.kv_proj), w.kv_norm, eps)
+    kv = ops.rms_norm(lin("kv", w.kv_proj), w.kv_norm, eps)
     kv = ops.rope(kv, pos, ctx.rope.inv_freq, ctx.rope.attention_factor)
     comp = index = None
     if w.compressor is not None:
-        comp = (ops.linear(x, w.compressor.kv_proj), ops.linear(x, w.compressor.gate_proj))
+        comp = (lin("comp_kv", w.compressor.kv_proj), lin("comp_gate", w.compressor.gate_proj))
     if w.indexer is not None:
         ix = w.indexer
         iq = ops.linear(q_res, ix.q_b_proj).view(n, cfg.index_n_heads, cfg.index_head_dim)
         iq = ops.rope(iq, pos, ctx.compress_rope.inv_freq, ctx.compress_rope.attention_factor)
-        iw = ops.linear(x, ix.weights_proj).float() * cfg.index_n_heads**-0.5
-        index = (ops.linear(x, ix.compressor.kv_proj), ops.linear(x, ix.compressor.gate_proj), iq, iw)
+        iw = lin("index_weights", ix.weights_proj).float() * cfg.index_n_heads**-0.5
+        index = (lin("index_kv", ix.compressor.kv_proj), lin("index_gate", ix.compressor.gate_proj), iq, iw)
     return Projected(q, kv, comp, index)
 
 

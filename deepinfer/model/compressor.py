@@ -8,7 +8,8 @@ the first series of window w-1 (still in the ring) and the second series of wind
 
 `compress_prefill` runs one sequence's chunk (any length); `compress_decode` runs one token per row with static
 shapes (CUDA-graph safe; several rows may belong to one sequence, at consecutive positions: a verify step): it
-pools every row's window and writes the entry only where a window closed (elsewhere to the scratch block).
+pools every row's window straight from the ring (`compress_ring`: no gathered copies) and writes the entry only
+where a window closed (elsewhere to the scratch block).
 The ring holds `lookahead` rows more than the windows need, so rows a step writes past the positions its
 sequence keeps (rejected draft tokens) overwrite nothing a later step reads.
 """
@@ -32,9 +33,9 @@ class RopeTables:
     attention_factor: float
 
 
-def _pool(ops: OpTable, w: CompressorWeights, slots_kv, slots_gate, positions, eps: float, rope: RopeTables):
-    entries = ops.rms_norm(ops.compress_pool(slots_kv, slots_gate), w.kv_norm, eps)
-    return ops.rope(entries, positions, rope.inv_freq, rope.attention_factor)
+def _finish(ops: OpTable, w: CompressorWeights, pooled: torch.Tensor, positions, eps: float, rope: RopeTables):
+    """Pooled entries normed and rotated at their windows' first positions."""
+    return ops.rope(ops.rms_norm(pooled, w.kv_norm, eps), positions, rope.inv_freq, rope.attention_factor)
 
 
 def compress_prefill(
@@ -73,7 +74,7 @@ def compress_prefill(
         else:
             slots_kv, slots_gate = chunk_kv, chunk_gate
         entries = torch.arange(first_entry, total, device=kv.device)
-        pooled = _pool(ops, w, slots_kv, slots_gate, entries * rate, eps, rope)
+        pooled = _finish(ops, w, ops.compress_pool(slots_kv, slots_gate), entries * rate, eps, rope)
         rows = comp.layout.entry_rows(blocks, entries)
         if (first_entry + 1) * rate <= seq.shared_until:  # windows a prefix hit shares: their entries are cached
             shared = (entries + 1) * rate <= seq.shared_until
@@ -95,7 +96,7 @@ def compress_decode(
     tables are `inp.blocks` [B, max_blocks] (`decode.DecodeInputs`); the row arithmetic shared through `rows`
     (`decode.StepRows`) with the step's other compressors. Static shapes throughout; rows of one sequence write
     their buffer rows before any row pools."""
-    lay, d = comp.layout, w.kv_norm.shape[0]
+    lay = comp.layout
     slots, positions, blocks = inp.slots, inp.positions, inp.blocks
     rate, ring = lay.rate, lay.buffer_rows
     # the buffer place, the entry that closes now (where one closes), the ring rows of the row's window (and of the
@@ -105,16 +106,12 @@ def compress_decode(
         ((positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)) % ring))
     comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
     comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
-    owner = slots.view(-1, 1)
-    chunk_kv = comp.buf_kv[owner, ring_rows]  # [B, rate, width]
-    chunk_gate = comp.buf_gate[owner, ring_rows] + w.position_bias
-    if comp.overlap:
-        before, first = rows.get(("before", rate, ring),
-                                 lambda: ((ring_rows - rate) % ring, (entry == 0).view(-1, 1, 1)))
-        prior_gate = (comp.buf_gate[owner, before][..., :d] + w.position_bias[:, :d]).masked_fill_(first, float("-inf"))
-        slots_kv = torch.cat([comp.buf_kv[owner, before][..., :d], chunk_kv[..., d:]], dim=1)
-        slots_gate = torch.cat([prior_gate, chunk_gate[..., d:]], dim=1)
+    owner = rows.get(("owner",), lambda: slots.to(torch.int32))
+    if comp.overlap:  # the prior window's ring rows first (-1: no window before the first), then the window's own
+        slot_rows = rows.get(("overlap rows", rate, ring), lambda: torch.cat(
+            [torch.where(entry.view(-1, 1) == 0, -1, (ring_rows - rate) % ring), ring_rows], dim=1).to(torch.int32))
     else:
-        slots_kv, slots_gate = chunk_kv, chunk_gate
-    entries = _pool(ops, w, slots_kv, slots_gate, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
+        slot_rows = rows.get(("window rows", rate, ring), lambda: ring_rows.to(torch.int32))
+    pooled = ops.compress_ring(comp.buf_kv, comp.buf_gate, w.position_bias, owner, slot_rows)
+    entries = _finish(ops, w, pooled, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
     comp.store[rows.get(("close rows", lay), lambda: lay.close_rows(blocks, positions))] = entries.to(comp.store.dtype)

@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.config import CSA, HASH_MOE, HCA, SLIDING, TOPK_MOE, ModelConfig
 from deepinfer.errors import WeightsError
+from deepinfer.model.stacked import Stacked, stack
 from tilekernels.quant import BlockQuantized, cat_rows, dense
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ class Attention:
     o_b_proj: torch.Tensor
     compressor: Compressor | None
     indexer: Indexer | None
+    inputs: tuple[Stacked, ...] = ()  # the projections of the block's input stacked (`stacked.py`); fields are views
 
 
 @dataclass(frozen=True)
@@ -265,23 +267,32 @@ class ModelWeights:
 def layer_weights(t: Mapping[str, torch.Tensor], p: str, kind: str, dtype: torch.dtype) -> Layer:
     """The block under prefix `p` (`layers.{i}.`, `mtp.{j}.`) of attention `kind`; `dtype`: the model's."""
     a, m = p + "self_attn.", p + "mlp."
+    c, x = a + "compressor.", a + "compressor.indexer."
+    parts = [("q_a", a + "q_a_proj.weight"), ("kv", a + "kv_proj.weight")]
+    if kind in (CSA, HCA):
+        parts += [("comp_kv", c + "kv_proj.weight"), ("comp_gate", c + "gate_proj.weight")]
+    if kind == CSA:
+        parts += [("index_kv", x + "kv_proj.weight"), ("index_gate", x + "gate_proj.weight"),
+                  ("index_weights", x + "scorer.weights_proj.weight")]
+    inputs, v = stack([(key, t[name]) for key, name in parts])
     compressor = indexer = None
     if kind in (CSA, HCA):
-        compressor = _compressor(t, a + "compressor.")
+        compressor = Compressor(v["comp_kv"], v["comp_gate"], t[c + "position_bias"], t[c + "kv_norm.weight"])
     if kind == CSA:
-        x = a + "compressor.indexer."
-        indexer = Indexer(_compressor(t, x), t[x + "q_b_proj.weight"], t[x + "scorer.weights_proj.weight"])
+        indexer = Indexer(Compressor(v["index_kv"], v["index_gate"], t[x + "position_bias"], t[x + "kv_norm.weight"]),
+                          t[x + "q_b_proj.weight"], v["index_weights"])
     attn = Attention(
         sinks=t[a + "sinks"],
-        q_a_proj=t[a + "q_a_proj.weight"],
+        q_a_proj=v["q_a"],
         q_a_norm=t[a + "q_a_norm.weight"],
         q_b_proj=t[a + "q_b_proj.weight"],
-        kv_proj=t[a + "kv_proj.weight"],
+        kv_proj=v["kv"],
         kv_norm=t[a + "kv_norm.weight"],
         o_a_proj=t[a + "o_a_proj.weight"],
         o_b_proj=t[a + "o_b_proj.weight"],
         compressor=compressor,
         indexer=indexer,
+        inputs=inputs,
     )
     moe = MoE(
         gate=t[m + "gate.weight"],
@@ -367,12 +378,6 @@ def _join_rows(gate, up, dtype: torch.dtype):
 
 def _hc(t: Mapping[str, torch.Tensor], prefix: str) -> HyperConnection:
     return HyperConnection(t[prefix + "fn"], t[prefix + "base"], t[prefix + "scale"])
-
-
-def _compressor(t: Mapping[str, torch.Tensor], prefix: str) -> Compressor:
-    return Compressor(
-        t[prefix + "kv_proj.weight"], t[prefix + "gate_proj.weight"], t[prefix + "position_bias"], t[prefix + "kv_norm.weight"]
-    )
 
 
 def _int32(table: torch.Tensor | None) -> torch.Tensor | None:

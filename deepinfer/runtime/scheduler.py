@@ -21,10 +21,16 @@ from deepinfer.errors import ConfigError
 from deepinfer.runtime.request import Request
 
 
+# Prompt tokens per prefill step by default: on the H200 the V4-Flash slice prefills 16K tokens at 81K tok/s in
+# steps of 2,048, 98K in steps of 4,096 (107K / 112K in 8,192 / 16,384; BENCHMARKS.md), while a step's activations
+# stay well inside the 2 GiB `options.cache_spec` keeps free for them.
+MAX_PREFILL_TOKENS = 4096
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once (also the largest decode batch)
-    max_prefill_tokens: int = 2048  # prompt tokens per prefill step
+    max_prefill_tokens: int = MAX_PREFILL_TOKENS  # prompt tokens per prefill step
     async_scheduling: bool = True  # prepare the next decode step while the device runs this one
 
     def __post_init__(self) -> None:

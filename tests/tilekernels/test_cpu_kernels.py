@@ -12,7 +12,7 @@ from codegen.driver import record_run
 from tilekernels import reference_table
 from tilekernels.errors import ShapeError
 from tilekernels.kernels import Recorder, kernel_table, table
-from tilekernels.ops import (DECLARED, act_quant, compress_pool, hc_post, hc_pre, indexer_scores, linear, moe_experts,
+from tilekernels.ops import (DECLARED, act_quant, compress_pool, compress_ring, hc_post, hc_pre, indexer_scores, linear, moe_experts,
                              moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
 
@@ -84,6 +84,13 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "compress_pool-v41": ("compress_pool", compress_pool.Variant(2, 512, F), 6),
     "compress_pool-ragged": ("compress_pool", compress_pool.Variant(8, 100, F), 3),
     "compress_pool-odd": ("compress_pool", compress_pool.Variant(3, 20, F), 4),
+    # the same pooling read from the rings at decode (rate, slots, ring rows, width): CSA with its overlap, its
+    # indexer, HCA, and widths no 64-channel block divides
+    "compress_ring-csa": ("compress_ring", compress_ring.Variant(4, 8, 12, 1024, F), 5),
+    "compress_ring-csa-indexer": ("compress_ring", compress_ring.Variant(4, 8, 12, 256, F), 3),
+    "compress_ring-hca": ("compress_ring", compress_ring.Variant(128, 128, 130, 512, F), 2),
+    "compress_ring-ragged": ("compress_ring", compress_ring.Variant(4, 8, 12, 200, F), 3),
+    "compress_ring-odd": ("compress_ring", compress_ring.Variant(3, 3, 5, 20, F), 4),
 }
 
 

@@ -13,7 +13,7 @@ import torch
 import backends
 from codegen import Compiler
 from tilekernels.kernels import request
-from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, engram_gate, engram_lookup,
+from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, compress_ring, engram_gate, engram_lookup,
                              fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre, indexer_scores,
                              indexer_scores_fp4, linear, linear_fp8, moe_decode, moe_experts, moe_gate, rms_norm, rope,
                              sparse_attention, split_sum, swiglu)
@@ -39,6 +39,8 @@ CASES = {
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("compress_pool", "compress_pool"): compress_pool.Variant(128, 512, "bfloat16"),  # HCA: the largest staged tile
+    # CSA's decode pooling from its ring (8 slots of two series, 2 x 512 channels; bf16 gates as the cache keeps)
+    ("compress_ring", "compress_ring"): compress_ring.Variant(4, 8, 8, 1024, "bfloat16", "bfloat16"),
     # V4.1's own, at V4.1 widths (odd widths: tests/tilekernels/test_v41_kernels.py on the c target)
     ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),  # sm90: the GEMM too
     ("hc_mixes", "hc_mixes_finish"): hc_mixes.Variant(4, 5120, 20, "bfloat16", split=20),
@@ -70,6 +72,7 @@ ODD = {
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
     ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
+    ("compress_ring", "compress_ring"): compress_ring.Variant(4, 8, 12, 200, "bfloat16"),  # partial blocks, overlap
 }
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.

@@ -6,6 +6,7 @@ OP_MODULES = (
     "act_quant",
     "candidate_blocks",
     "compress_pool",
+    "compress_ring",
     "embedding",
     "engram_gate",
     "engram_lookup",
