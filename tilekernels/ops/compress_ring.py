@@ -76,10 +76,15 @@ def body(P, v: Variant, cfg: Config):
     def off(s):
         return T.if_then_else(s >= S - R, SECOND, 0)
 
+    def biased(G, Bias, Owner, row, s, c):
+        """Slot s's gate at channel c of its series: the ring's, plus the position bias; -inf for an empty slot."""
+        g = T.cast(G[Owner, T.max(row, 0), off(s) + c], "float32") + Bias[s % R, off(s) + c]
+        return T.if_then_else(row < 0, -T.infinity("float32"), g)
+
     def gate_at(G, g_io, Bias, Owner, Rows, b, c0, s, j):
-        c = T.min(c0 + j, D - 1)
-        g = T.cast(g_io[s, j], "float32") if staged else T.cast(G[Owner[b], T.max(Rows[b, s], 0), off(s) + c], "float32")
-        return T.if_then_else(Rows[b, s] < 0, -T.infinity("float32"), g + Bias[s % R, off(s) + c])
+        if staged:
+            return g_io[s, j]
+        return biased(G, Bias, Owner[b], Rows[b, s], s, T.min(c0 + j, D - 1))
 
     def kv_at(KV, kv_io, Owner, Rows, b, c0, s, j):
         if staged:
@@ -92,16 +97,18 @@ def body(P, v: Variant, cfg: Config):
                Out: T.Tensor((B, D), dtype)):
         with P.kernel(B * NB, cfg.threads) as pid:
             kv_io = P.alloc_io((SS, SB), dtype)
-            g_io = P.alloc_io((SS, SB), gdtype)
+            g_io = P.alloc_io((SS, SB), "float32")  # biased gates
             o_io = P.alloc_io((SB,), dtype)
+            r_io = P.alloc_io((S,), "int32")
             for t in P.tiles(B * NB, pid):
                 b = t // NB
                 c0 = (t % NB) * BD
-                if staged:  # each series' slots from their own channels
-                    for first, count, c in ((0, S - R, c0), (S - R, R, SECOND + c0)):
-                        for s in T.serial(first, first + count) if count else ():
-                            T.copy(KV[Owner[b], T.max(Rows[b, s], 0), c : c + BD], kv_io[s, 0:BD])
-                            T.copy(G[Owner[b], T.max(Rows[b, s], 0), c : c + BD], g_io[s, 0:BD])
+                if staged:  # the window's slots gathered into on-chip tiles by all threads at once
+                    T.copy(Rows[b, 0:S], r_io)
+                    with P.vector(cfg.threads):
+                        for s, j in T.Parallel(S, BD):
+                            kv_io[s, j] = KV[Owner[b], T.max(r_io[s], 0), off(s) + c0 + j]
+                            g_io[s, j] = biased(G, Bias, Owner[b], r_io[s], s, c0 + j)
                 with P.vector(cfg.threads):
                     mx = P.alloc_reg((BP,), "float32")
                     den = P.alloc_reg((BP,), "float32")
@@ -116,7 +123,7 @@ def body(P, v: Variant, cfg: Config):
                             mx[j] = T.max(mx[j], gate_at(G, g_io, Bias, Owner, Rows, b, c0, s, j))
                     for s in T.serial(S):
                         for j in T.Parallel(BP):
-                            e = T.exp(gate_at(G, g_io, Bias, Owner, Rows, b, c0, s, j) - mx[j])  # all empty: exp(nan) = nan, as the reference
+                            e = T.exp(gate_at(G, g_io, Bias, Owner, Rows, b, c0, s, j) - mx[j])  # all empty: nan, as the reference
                             den[j] = den[j] + e
                             acc[j] = acc[j] + e * kv_at(KV, kv_io, Owner, Rows, b, c0, s, j)
                     for j in T.Parallel(BP):
