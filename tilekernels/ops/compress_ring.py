@@ -99,16 +99,15 @@ def body(P, v: Variant, cfg: Config):
             kv_io = P.alloc_io((SS, SB), dtype)
             g_io = P.alloc_io((SS, SB), "float32")  # biased gates
             o_io = P.alloc_io((SB,), dtype)
-            r_io = P.alloc_io((S,), "int32")
             for t in P.tiles(B * NB, pid):
                 b = t // NB
                 c0 = (t % NB) * BD
-                if staged:  # the window's slots gathered into on-chip tiles by all threads at once
-                    T.copy(Rows[b, 0:S], r_io)
+                if staged:  # the window's slots gathered into on-chip tiles by all threads at once; the ring rows
+                    # are read from global memory (from a shared copy every load would wait for the stores before it)
                     with P.vector(cfg.threads):
                         for s, j in T.Parallel(S, BD):
-                            kv_io[s, j] = KV[Owner[b], T.max(r_io[s], 0), off(s) + c0 + j]
-                            g_io[s, j] = biased(G, Bias, Owner[b], r_io[s], s, c0 + j)
+                            kv_io[s, j] = KV[Owner[b], T.max(Rows[b, s], 0), off(s) + c0 + j]
+                            g_io[s, j] = biased(G, Bias, Owner[b], Rows[b, s], s, c0 + j)
                 with P.vector(cfg.threads):
                     mx = P.alloc_reg((BP,), "float32")
                     den = P.alloc_reg((BP,), "float32")
