@@ -8,8 +8,8 @@ the first series of window w-1 (still in the ring) and the second series of wind
 
 `compress_prefill` runs one sequence's chunk (any length); `compress_decode` runs one token per row with static
 shapes (CUDA-graph safe; several rows may belong to one sequence, at consecutive positions: a verify step): it
-pools every row's window straight from the ring (`compress_ring`: no gathered copies) and writes the entry only
-where a window closed (elsewhere to the scratch block).
+pools every row's window, straight from the ring where the window is short (`compress_ring`: CSA and its indexer,
+no gathered copies), and writes the entry only where a window closed (elsewhere to the scratch block).
 The ring holds `lookahead` rows more than the windows need, so rows a step writes past the positions its
 sequence keeps (rejected draft tokens) overwrite nothing a later step reads.
 """
@@ -23,6 +23,7 @@ import torch
 from deepinfer.runtime.cache import Compressor, SeqCache
 from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
+from tilekernels.ops import compress_ring
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,16 @@ def compress_decode(
         ((positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)) % ring))
     comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
     comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
-    owner = rows.get(("owner",), lambda: slots.to(torch.int32))
-    if comp.overlap:  # the prior window's ring rows first (-1: no window before the first), then the window's own
-        slot_rows = rows.get(("overlap rows", rate, ring), lambda: torch.cat(
-            [torch.where(entry.view(-1, 1) == 0, -1, (ring_rows - rate) % ring), ring_rows], dim=1).to(torch.int32))
-    else:
-        slot_rows = rows.get(("window rows", rate, ring), lambda: ring_rows.to(torch.int32))
-    pooled = ops.compress_ring(comp.buf_kv, comp.buf_gate, w.position_bias, owner, slot_rows)
+    if (2 if comp.overlap else 1) * rate <= compress_ring.GATHER_SLOTS:  # the ring kernel (CSA and its indexer)
+        owner = rows.get(("owner",), lambda: slots.to(torch.int32))
+        if comp.overlap:  # the prior window's ring rows first (-1: no window before the first), then the window's own
+            slot_rows = rows.get(("overlap rows", rate, ring), lambda: torch.cat(
+                [torch.where(entry.view(-1, 1) == 0, -1, (ring_rows - rate) % ring), ring_rows], dim=1).to(torch.int32))
+        else:
+            slot_rows = rows.get(("window rows", rate, ring), lambda: ring_rows.to(torch.int32))
+        pooled = ops.compress_ring(comp.buf_kv, comp.buf_gate, w.position_bias, owner, slot_rows)
+    else:  # long windows (HCA): the window gathered, then pooled (compress_pool stages it with one 2D copy)
+        pooled = ops.compress_pool(comp.buf_kv[slots.view(-1, 1), ring_rows], comp.buf_gate[slots.view(-1, 1), ring_rows]
+                                   + w.position_bias)
     entries = _finish(ops, w, pooled, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
     comp.store[rows.get(("close rows", lay), lambda: lay.close_rows(blocks, positions))] = entries.to(comp.store.dtype)
