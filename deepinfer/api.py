@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 from deepinfer.assemble import EngineOptions, assemble_v4, assemble_v41, check_v41_backend, progress_bar
 from deepinfer.config_v41 import V41Config, read_config
 from deepinfer.runtime.backend import select as select_backend
-from deepinfer.runtime.scheduler import MAX_PREFILL_TOKENS
+from deepinfer.runtime.defaults import MAX_PREFILL_TOKENS
 from deepinfer.runtime.engine import Engine, RunStats
 from deepinfer.runtime.speculative import speculator
 from deepinfer.runtime.prefix import PrefixMode

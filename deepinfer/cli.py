@@ -25,7 +25,7 @@ from deepinfer.env import MAX_DRAFT_TOKENS
 from deepinfer.errors import ConfigError, DeepInferError, RequestError
 from deepinfer.runtime.prefix import MODES as PREFIX_MODES
 from deepinfer.runtime.sampling import MAX_LOGPROBS
-from deepinfer.runtime.scheduler import MAX_PREFILL_TOKENS
+from deepinfer.runtime.defaults import MAX_PREFILL_TOKENS
 
 
 def _process_age() -> float:

@@ -92,7 +92,10 @@ def test_flash_config_yields_its_real_shapes():
     assert ("linear", linear.Variant(32768, 1024, "bfloat16")) in variants  # q_b_proj: 64 heads x 512
     assert ("linear", linear.Variant(1024, 4096, "bfloat16", groups=8)) in variants  # grouped o_a_proj
     assert ("linear", linear.Variant(129280, 4096, "bfloat16")) in variants  # lm_head, prefill
-    assert ("linear", linear.Variant(1024, 4096, "bfloat16", split_k=16, narrow=True)) in variants  # q_a, decode
+    # the stacked input projections at one decode row (deepinfer/model/stacked.py): q_a + kv of a sliding layer,
+    # and with the compressor's (HCA) and the indexer's (CSA) projections
+    for n in (1536, 2560, 4160):
+        assert ("linear", linear.variant(1, n, 4096, 1)) in variants, n
     assert ("moe_experts", moe_experts.Variant(4096, 4096, 256, "bfloat16")) in variants  # gate_up of 256 experts
     assert ("sparse_attention", sparse_attention.Variant(64, 512, "bfloat16")) in variants
 
