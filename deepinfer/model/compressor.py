@@ -89,6 +89,20 @@ def compress_prefill(
     return comp.store[comp.layout.entry_rows(blocks, torch.arange(total, device=kv.device))]
 
 
+def _gathered(comp: Compressor, w: CompressorWeights, owner, ring_rows, entry, rows):
+    """The slots of each row's window, kv and biased gate [B, S, d] (with overlap: the prior window's first series,
+    -inf gates where no window is before it, then the window's second series)."""
+    rate, ring, d = comp.rate, comp.layout.buffer_rows, w.kv_norm.shape[0]
+    chunk_kv = comp.buf_kv[owner, ring_rows]  # [B, rate, width]
+    chunk_gate = comp.buf_gate[owner, ring_rows] + w.position_bias
+    if not comp.overlap:
+        return chunk_kv, chunk_gate
+    before, first = rows.get(("before", rate, ring), lambda: ((ring_rows - rate) % ring, (entry == 0).view(-1, 1, 1)))
+    prior_gate = (comp.buf_gate[owner, before][..., :d] + w.position_bias[:, :d]).masked_fill_(first, float("-inf"))
+    return (torch.cat([comp.buf_kv[owner, before][..., :d], chunk_kv[..., d:]], dim=1),
+            torch.cat([prior_gate, chunk_gate[..., d:]], dim=1))
+
+
 def compress_decode(
     ops: OpTable, comp: Compressor, w: CompressorWeights, inp, rows, kv: torch.Tensor, gate: torch.Tensor,
     eps: float, rope: RopeTables,
@@ -115,8 +129,7 @@ def compress_decode(
         else:
             slot_rows = rows.get(("window rows", rate, ring), lambda: ring_rows.to(torch.int32))
         pooled = ops.compress_ring(comp.buf_kv, comp.buf_gate, w.position_bias, owner, slot_rows)
-    else:  # long windows (HCA): the window gathered, then pooled (compress_pool stages it with one 2D copy)
-        pooled = ops.compress_pool(comp.buf_kv[slots.view(-1, 1), ring_rows], comp.buf_gate[slots.view(-1, 1), ring_rows]
-                                   + w.position_bias)
+    else:  # long windows (HCA): gathered by PyTorch, then pooled (compress_pool stages a window with one 2D copy)
+        pooled = ops.compress_pool(*_gathered(comp, w, slots.view(-1, 1), ring_rows, entry, rows))
     entries = _finish(ops, w, pooled, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
     comp.store[rows.get(("close rows", lay), lambda: lay.close_rows(blocks, positions))] = entries.to(comp.store.dtype)
