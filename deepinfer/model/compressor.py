@@ -91,7 +91,8 @@ def compress_prefill(
 
 def _gathered(comp: Compressor, w: CompressorWeights, owner, ring_rows, entry, rows):
     """The slots of each row's window, kv and biased gate [B, S, d] (with overlap: the prior window's first series,
-    -inf gates where no window is before it, then the window's second series)."""
+    -inf gates where no window is before it, then the window's second series). `compress_ring.reference` gathers
+    the same for any slot list; here only the prior series can be empty, so HCA's windows need no clamp or mask."""
     rate, ring, d = comp.rate, comp.layout.buffer_rows, w.kv_norm.shape[0]
     chunk_kv = comp.buf_kv[owner, ring_rows]  # [B, rate, width]
     chunk_gate = comp.buf_gate[owner, ring_rows] + w.position_bias

@@ -32,13 +32,11 @@ def decode_logits(model, cfg, steps: int) -> list[torch.Tensor]:
     cache = PagedCache(cfg, CacheSpec(num_blocks=8, max_seqs=2, max_blocks_per_seq=4), torch.float32, "cpu")
     seqs = [cache.admit(), cache.admit()]
     for s in seqs:
-        assert cache.grow(s, steps)
+        assert cache.grow(s, steps + 3)
     graphs, out = DecodeGraphs(model, cache, 2, None), []
     with torch.inference_mode():
-        for t in range(steps):  # the two sequences at different positions: one starts 3 tokens in
-            out.append(graphs.run([5 + t, 9 + t], [t, t + 3] if t + 3 < steps else [t, t], seqs))
-            for s in seqs:
-                s.num_tokens += 1
+        for t in range(steps):  # the two sequences at different positions: the second 3 tokens ahead
+            out.append(graphs.run([5 + t, 9 + t], [t, t + 3], seqs))
     return out
 
 

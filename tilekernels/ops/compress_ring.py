@@ -11,12 +11,13 @@ weighs the kv sum (fp32), as `compress_pool`.
 
 This replaces, per compressor and step, the ring gathers, the bias add, the empty-slot fill and the series
 concatenation (9 small PyTorch kernels with overlap) and the pooling kernel by one kernel: 4.1-4.4 us a call for
-CSA's 8 slots and its indexer's on the H200 at one row (the path it replaces: ~15). At HCA's 128 slots it took
-35 us at one row (8 CTAs of 64 threads, each thread gathering 32 rounds of a ring-row index and the kv / gate it
-addresses), where gathering with PyTorch and pooling with `compress_pool` (one 2D copy of the window, the same
-pooling loop in ~2 us) takes ~9: the gather's loads are not overlapped enough. The model therefore runs this kernel
-up to GATHER_SLOTS slots. Reading each series as a 2D copy (a window's ring rows are consecutive when the ring is a
-multiple of the rate) and more CTAs per row would lift that bound: not done (no device time left to measure it).
+CSA's 8 slots and its indexer's on the H200 at one row (the path it replaces: an estimated ~15, from the per-kernel
+profile). At HCA's 128 slots it took 35 us at one row (8 CTAs of 64 threads, each thread gathering 32 rounds of a
+ring-row index and the kv / gate it addresses), where gathering with PyTorch and pooling with `compress_pool` (one
+2D copy of the window, the same pooling loop in ~2 us) takes an estimated ~9: the gather's loads are not overlapped
+enough. The model therefore runs this kernel up to GATHER_SLOTS slots. Reading each series as a 2D copy (a window's
+ring rows are consecutive when the ring is a multiple of the rate) and more CTAs per row would lift that bound: not
+done (no device time left to measure it).
 """
 
 from dataclasses import dataclass
