@@ -4,10 +4,11 @@ down to the op that launched it, or to the PyTorch glue after an op (the indexin
 between ops). Kernel times are device times, the same kernels a graph replay runs; the replay's wall time is
 measured beside them.
 
-    python benchmarks/profile_ops.py [--points 1x4096] [--quantized] [--out ops.json]
+    python benchmarks/profile_ops.py [--points 1x4096] [--prefill 16384] [--quantized] [--out ops.json]
 
 Prints per point: the replay's wall time, then the ops by summed device time (calls, kernels, us), then the glue
-by the op it follows.
+by the op it follows. `--prefill N`: the same for one prefill call of N prompt tokens (one sequence, from position
+0; the wall time is the unfenced call's, eager, kernels loaded).
 """
 
 from __future__ import annotations
@@ -92,9 +93,57 @@ def traced_step(step) -> list:
     return [(ev.name, ev.device_time) for ev in events]
 
 
+def prefill_trace(cfg, model, probe, calls: list[str], n: int, dtype) -> tuple[float, list]:
+    """The wall ms of one unfenced prefill call of `n` tokens (the best of three, warm) and the fenced call's events
+    (its op names into `calls`)."""
+    from deepinfer.runtime.cache import CacheSpec, PagedCache
+
+    ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+    cache = PagedCache(cfg, CacheSpec(num_blocks=n // 128 + 2, max_seqs=1, max_blocks_per_seq=n // 128 + 2),
+                       dtype, "cuda")
+    seq = cache.admit()
+    cache.grow(seq, n)
+
+    def call(m):
+        seq.num_tokens = 0
+        m.prefill(cache, ids, torch.arange(n, device="cuda"), [(seq, 0, n)], torch.tensor([n - 1], device="cuda"))
+
+    call(model)
+    wall = min(cuda_ms(functools.partial(call, model), 1) for _ in range(3))
+    call(probe)
+    calls.clear()
+    return wall, traced_step(functools.partial(call, probe))
+
+
+def report(label: str, wall: float, events: list, calls: list[str]) -> dict:
+    """Print one point's table (ops, glue, each op's kernels) and return it as a dict."""
+    ops, glue, order = attribute(events, calls)
+    busy = sum(us for name, us in events if MARKER not in name) / 1e3
+    print(f"\n## {label}: {wall:.3f} ms wall, {busy:.3f} ms in kernels (markers excluded)", flush=True)
+    print("| op | calls | kernels | us | share of kernel time |\n|---|---|---|---|---|")
+    for name, (n, k, us) in sorted(ops.items(), key=lambda kv: -kv[1][2]):
+        print(f"| {name} | {n} | {k} | {us:.1f} | {us / 1e3 / busy:.1%} |")
+    glue_us = sum(g[1] for g in glue.values())
+    print(f"\nglue: {sum(g[0] for g in glue.values())} kernels, {glue_us:.1f} us")
+    print("| glue | kernels | us | largest kernels (count, us) |\n|---|---|---|---|")
+    for name, (k, us, by) in sorted(glue.items(), key=lambda kv: -kv[1][1]):
+        top = sorted(by.items(), key=lambda kv: -kv[1][1])[:6]
+        print(f"| {name} | {k} | {us:.1f} | " + "; ".join(f"{n[:40]} ({c}, {t:.1f})" for n, (c, t) in top) + " |")
+    seen = set()
+    for name, us, kernels in order:  # the kernels of each op's first call
+        if name not in seen and len(kernels) > 1:
+            seen.add(name)
+            print(f"{name} ({us:.1f} us): " + ", ".join(f"{k[:28]} {t:.1f}" for k, t in kernels[:12]))
+    return dict(label=label, wall_ms=wall, busy_ms=busy,
+                ops={n: dict(calls=c, kernels=k, us=u) for n, (c, k, u) in ops.items()},
+                glue={n: dict(kernels=k, us=u, by_kernel={kn: dict(count=c, us=t) for kn, (c, t) in by.items()})
+                      for n, (k, u, by) in glue.items()}, order=order)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", default="1x4096", help="BATCHxCONTEXT decode points")
+    parser.add_argument("--prefill", type=int, default=0, help="also one prefill call of this many tokens (0: none)")
     parser.add_argument("--quantized", action="store_true", help="V4's FP8 / FP4 weight formats")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -123,7 +172,7 @@ def main() -> None:
     model = DeepseekV4(cfg, weights, table)
     probe = DeepseekV4(cfg, weights, fenced(table, calls))
     out = {"device": torch.cuda.get_device_name(), "quantized": args.quantized, "points": []}
-    for point in args.points.split(","):
+    for point in filter(None, args.points.split(",")):
         batch, context = (int(x) for x in point.split("x"))
         cache, seqs = synthetic_cache(cfg, batch, context, dtype)
         ids, pos = list(range(100, 100 + batch)), [context] * batch
@@ -135,31 +184,15 @@ def main() -> None:
             step()
             calls.clear()
             events = traced_step(step)
-        ops, glue, order = attribute(events, calls)
-        busy = sum(us for name, us in events if MARKER not in name) / 1e3
         label = f"decode batch {batch} at {context}{', quantized' if args.quantized else ''}"
-        print(f"\n## {label}: replay {wall:.3f} ms wall, {busy:.3f} ms in kernels (markers excluded)", flush=True)
-        print("| op | calls | kernels | us | share of kernel time |\n|---|---|---|---|---|")
-        for name, (n, k, us) in sorted(ops.items(), key=lambda kv: -kv[1][2]):
-            print(f"| {name} | {n} | {k} | {us:.1f} | {us / 1e3 / busy:.1%} |")
-        glue_us = sum(g[1] for g in glue.values())
-        print(f"\nglue: {sum(g[0] for g in glue.values())} kernels, {glue_us:.1f} us")
-        print("| glue | kernels | us | largest kernels (count, us) |\n|---|---|---|---|")
-        for name, (k, us, by) in sorted(glue.items(), key=lambda kv: -kv[1][1]):
-            top = sorted(by.items(), key=lambda kv: -kv[1][1])[:6]
-            print(f"| {name} | {k} | {us:.1f} | " + "; ".join(f"{n[:40]} ({c}, {t:.1f})" for n, (c, t) in top) + " |")
-        seen = set()
-        for name, us, kernels in order:  # the kernels of each op's first call
-            if name not in seen and len(kernels) > 1:
-                seen.add(name)
-                print(f"{name} ({us:.1f} us): " + ", ".join(f"{k[:28]} {t:.1f}" for k, t in kernels))
-        out["points"].append(dict(label=label, wall_ms=wall, busy_ms=busy,
-                                  ops={n: dict(calls=c, kernels=k, us=u) for n, (c, k, u) in ops.items()},
-                                  glue={n: dict(kernels=k, us=u, by_kernel={kn: dict(count=c, us=t)
-                                                                           for kn, (c, t) in by.items()})
-                                        for n, (k, u, by) in glue.items()}, order=order))
+        out["points"].append(report(label, wall, events, calls))
         del cache, graphs, eager
         torch.cuda.empty_cache()
+    if args.prefill:
+        with torch.inference_mode():
+            wall, events = prefill_trace(cfg, model, probe, calls, args.prefill, dtype)
+            label = f"prefill of {args.prefill} tokens{', quantized' if args.quantized else ''}"
+            out["points"].append(report(label, wall, events, calls))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

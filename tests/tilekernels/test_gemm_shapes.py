@@ -154,6 +154,27 @@ def test_run_works_on_meta_tensors_and_launches_the_variant_function():
     assert gemms[-1][2].block_m == moe_experts.DECODE_BLOCK_M
 
 
+def test_expert_tiles_by_size_and_format():
+    """bf16 experts past DECODE_TOKENS take PREFILL_BLOCK_M-row tiles (sm_90a: the TMA + wgmma override, every
+    other target the portable body), fp32 and FP4 ones BLOCK_M; the layout the op builds follows the variant."""
+    from tilekernels.ops import moe_bf16_prefill_sm90
+
+    kernel = moe_experts.KERNEL
+    prefill = moe_experts.variant(4096, 4096, 256, "bfloat16", tokens=moe_experts.DECODE_TOKENS + 1)
+    assert prefill.block_m == moe_experts.PREFILL_BLOCK_M == 128
+    assert kernel.body_for("sm90", prefill) is moe_bf16_prefill_sm90.body
+    assert all(kernel.body_for(t, prefill) is kernel.body for t in ("sm100", "ascend", "c"))
+    fp32 = moe_experts.variant(4096, 4096, 256, "float32", tokens=moe_experts.DECODE_TOKENS + 1)
+    assert fp32.block_m == moe_experts.BLOCK_M and kernel.body_for("sm90", fp32) is kernel.body
+    assert moe_experts.variant(4096, 4096, 256, "bfloat16", fp4=True, tokens=4096).block_m == moe_experts.BLOCK_M
+    rec = Recorder()
+    args = moe_experts.example(moe_experts.variant(36, 48, 6, "bfloat16"), 100, "meta")
+    moe_experts.run(rec.op("moe_experts"), *args)
+    assert {c[2].block_m for c in rec.calls if c[1] == "grouped_gemm"} == {moe_experts.PREFILL_BLOCK_M}
+    with pytest.raises(ValueError, match="bf16 tiles of"):
+        moe_bf16_prefill_sm90.body(None, fp32)
+
+
 def test_v4_flash_shapes_keep_their_tiles():
     """Edge handling changes no tile of a shape that divides it (the sm90 tiles are the tuned ones)."""
     sm90, sm100 = linear.KERNEL.config("sm90"), linear.KERNEL.config("sm100")

@@ -29,7 +29,7 @@ CASES = {
     ("indexer_scores", "indexer_scores"): indexer_scores.Variant(64, 128, "bfloat16", False),
     ("act_quant", "act_quant"): act_quant.Variant(4096, 128, "bfloat16", pow2=True),
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
-    ("moe_experts", "grouped_gemm"): moe_experts.Variant(4096, 4096, 256, "bfloat16"),
+    ("moe_experts", "grouped_gemm"): moe_experts.variant(4096, 4096, 256, "bfloat16", tokens=4096),  # 128-row tiles
     ("moe_experts", "grouped_gemm_fp4"): moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True),
     ("moe_experts", "moe_route"): moe_decode.RouteVariant(256, 16, 64 * 6),
     ("moe_experts", "moe_combine"): moe_decode.CombineVariant(4096, 6, "bfloat16"),

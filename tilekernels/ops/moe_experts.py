@@ -6,7 +6,8 @@ start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile be
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
 back per token (`moe_decode`: the layout at decode sizes and the weighted sum are kernels too). FP4 and bf16
 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
-the bf16 ones run the swapped-operand weight-streaming kernel of `moe_bf16_sm90`. On sm_90a every
+the bf16 ones run the swapped-operand weight-streaming kernel of `moe_bf16_sm90`, and past DECODE_TOKENS (128-row
+tiles) the TMA + wgmma GEMM of `moe_bf16_prefill_sm90`. On sm_90a every
 FP4 bf16 variant runs the swapped-operand kernel of `moe_fp4` (weights converted straight into the MMA's
 registers; 64-row tiles at prefill sizes; with `moe_fp4.REPACKED`, on the K-permuted layout of `moe_fp4_sm90`,
 which the weights then take at load: `kernel_layout`, `BlockQuantized.to`), on sm_100a the block-scaled MMA
@@ -25,6 +26,7 @@ from tilekernels import dtypes
 from tilekernels.op import Kernel, OpDecl, Override, require
 from tilekernels.ops import (
     linear,
+    moe_bf16_prefill_sm90,
     moe_bf16_sm90,
     moe_decode,
     moe_fp4,
@@ -197,18 +199,20 @@ KPERM_BODIES = {d: _kperm_body(d) for d in moe_fp4.KPERM}
 KERNELS_KPERM = {d: Kernel(f"grouped_gemm_fp4_{d}", body_fp4, overrides=(
     Override("sm90", _fits_kperm, KPERM_BODIES[d]), *KERNEL_FP4.overrides), configs=KERNEL_FP4.configs)
     for d in moe_fp4.KPERM}
-# bf16 decode variants (16-row tiles) on sm_90a: the swapped-operand weight-streaming kernel of moe_bf16_sm90 (its
-# own tile, TileLang's default warp-specialised TMA pipeline: no pass config, so the 64-row variants' portable body
-# is built exactly as before); every other target and variant: the portable body.
+# bf16 on sm_90a: decode variants (16-row tiles) run the swapped-operand weight-streaming kernel of moe_bf16_sm90,
+# prefill variants (64 / 128-row tiles) the TMA + wgmma GEMM of moe_bf16_prefill_sm90 (both TileLang's default
+# warp-specialised pipeline: no pass config); every other target and variant (fp32): the portable body.
 KERNEL = Kernel("grouped_gemm", body, overrides=(
     Override("sm90", moe_bf16_sm90.fits, moe_bf16_sm90.body_decode),
+    Override("sm90", moe_bf16_prefill_sm90.fits, moe_bf16_prefill_sm90.body),
 ), configs={
     "default": Config(),
     "sm100": Config(block_n=128, block_k=64, stages=3, threads=128, min_block_n=64),
     "ascend": Config(block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,
 })
-BLOCK_M = 64
+BLOCK_M = 64  # fp32 experts (and FP4 ones past DECODE_TOKENS): rows per M tile
+PREFILL_BLOCK_M = 128  # bf16 experts past DECODE_TOKENS: rows per M tile (sm_90a: moe_bf16_prefill_sm90, measured)
 DECODE_BLOCK_M = 16  # FP4 and bf16 experts at decode: rows per tile (wgmma N on sm_90a; the portable body's MMA M)
 DECODE_TOKENS = 64  # up to this many tokens the FP4 and bf16 experts run their decode variants
 
@@ -244,7 +248,9 @@ def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False, tokens:
     the same variant on every target: sm_90a runs its decode override, the others the portable body with 16-row
     tiles); fp32 experts keep 64-row tiles."""
     decode = (fp4 or dtype == "bfloat16") and tokens is not None and tokens <= DECODE_TOKENS
-    return Variant(n, k, experts, dtype, DECODE_BLOCK_M if decode else BLOCK_M, fp4)
+    if decode:
+        return Variant(n, k, experts, dtype, DECODE_BLOCK_M, fp4)
+    return Variant(n, k, experts, dtype, PREFILL_BLOCK_M if dtype == "bfloat16" and not fp4 else BLOCK_M, fp4)
 
 
 def _describe(w) -> str:
