@@ -50,16 +50,17 @@ def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Ten
 
     q_res = ops.rms_norm(lin("q_a", w.q_a_proj), w.q_a_norm, eps)
     q = ops.linear(q_res, w.q_b_proj).view(n, cfg.num_attention_heads, cfg.head_dim)
-    q = ops.rope(ops.rms_norm_unweighted(q, eps), pos, ctx.rope.inv_freq, ctx.rope.attention_factor)
+    # rotated in place: every rope input here is a fresh intermediate no one else reads
+    q = ops.rope(ops.rms_norm_unweighted(q, eps), pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True)
     kv = ops.rms_norm(lin("kv", w.kv_proj), w.kv_norm, eps)
-    kv = ops.rope(kv, pos, ctx.rope.inv_freq, ctx.rope.attention_factor)
+    kv = ops.rope(kv, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True)
     comp = index = None
     if w.compressor is not None:
         comp = (lin("comp_kv", w.compressor.kv_proj), lin("comp_gate", w.compressor.gate_proj))
     if w.indexer is not None:
         ix = w.indexer
         iq = ops.linear(q_res, ix.q_b_proj).view(n, cfg.index_n_heads, cfg.index_head_dim)
-        iq = ops.rope(iq, pos, ctx.compress_rope.inv_freq, ctx.compress_rope.attention_factor)
+        iq = ops.rope(iq, pos, ctx.compress_rope.inv_freq, ctx.compress_rope.attention_factor, inplace=True)
         iw = lin("index_weights", ix.weights_proj).float() * cfg.index_n_heads**-0.5
         index = (lin("index_kv", ix.compressor.kv_proj), lin("index_gate", ix.compressor.gate_proj), iq, iw)
     return Projected(q, kv, comp, index)
@@ -72,9 +73,10 @@ def finish(ctx: AttentionContext, w: Attention, out: torch.Tensor, pos: torch.Te
 
 def output_projection(ops: OpTable, out: torch.Tensor, pos: torch.Tensor, rope: RopeTables, groups: int, o_a,
                       o_b) -> torch.Tensor:
-    """V4 and V4.1: inverse RoPE at the query positions, then `o_a` per head group and `o_b`: [N, heads, D] -> [N, H]."""
+    """V4 and V4.1: inverse RoPE at the query positions (in place: `out` is the attention's fresh output), then `o_a`
+    per head group and `o_b`: [N, heads, D] -> [N, H]."""
     n = out.shape[0]
-    out = ops.rope(out, pos, rope.inv_freq, rope.attention_factor, inverse=True)
+    out = ops.rope(out, pos, rope.inv_freq, rope.attention_factor, inverse=True, inplace=True)
     grouped = ops.grouped_linear(out.reshape(n, groups, -1), o_a)
     return ops.linear(grouped.reshape(n, -1), o_b)
 
@@ -82,6 +84,10 @@ def output_projection(ops: OpTable, out: torch.Tensor, pos: torch.Tensor, rope: 
 def prefill_core(ctx: AttentionContext, w: Attention, p: Projected, pos: torch.Tensor,
                  seqs: list[tuple[SeqCache, int, int]], layer: LayerCache) -> torch.Tensor:
     """Attention of prefill chunks: `seqs` lists (sequence, first row, rows); -> [N, heads, D]."""
+    if len(seqs) == 1 and seqs[0][1] == 0 and seqs[0][2] == p.q.shape[0]:  # one sequence: its output, no copy
+        seq, _, _ = seqs[0]
+        pool, indices = _chunk_rows(ctx, w, p, slice(0, p.q.shape[0]), seq, layer)
+        return ctx.ops.sparse_attention(p.q, pool, indices, w.sinks, ctx.cfg.head_dim**-0.5)
     out = torch.empty_like(p.q)
     for seq, start, length in seqs:
         rows = slice(start, start + length)

@@ -96,7 +96,8 @@ def test_flash_config_yields_its_real_shapes():
     # and with the compressor's (HCA) and the indexer's (CSA) projections
     for n in (1536, 2560, 4160):
         assert ("linear", linear.variant(1, n, 4096, 1)) in variants, n
-    assert ("moe_experts", moe_experts.Variant(4096, 4096, 256, "bfloat16")) in variants  # gate_up of 256 experts
+    gate_up = moe_experts.Variant(4096, 4096, 256, "bfloat16", moe_experts.PREFILL_BLOCK_M)  # 256 experts, prefill
+    assert ("moe_experts", gate_up) in variants
     assert ("sparse_attention", sparse_attention.Variant(64, 512, "bfloat16")) in variants
 
 

@@ -54,6 +54,8 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "rope": ("rope", rope.Variant(4, 32, 8, F), 6),
     "rope-inverse-odd": ("rope", rope.Variant(5, 20, 6, F, inverse=True), 3),
     "rope-kv": ("rope", rope.Variant(1, 32, 8, F), 6),
+    "rope-inplace": ("rope", rope.Variant(4, 32, 8, F, inplace=True), 6),
+    "rope-inplace-inverse-odd-kv": ("rope", rope.Variant(1, 20, 6, F, inverse=True, inplace=True), 3),
     "linear": ("linear", linear.Variant(32, 48, F), 37),
     "linear-splitk": ("linear", linear.Variant(32, 1024, F), 3),
     "linear-ragged": ("linear", linear.Variant(40, 48, F), 3),  # N=40: the c target's 16-wide tiles do not divide it
@@ -106,7 +108,8 @@ def test_op_matches_reference_in_fp32(case, ops, cache):
     name, variant, rows = CASES[case]
     torch.manual_seed(rows)
     args = DECLARED[name].example(variant, rows, "cpu")
-    got, want = getattr(ops, name)(*args), DECLARED[name].reference(*args)
+    want = DECLARED[name].reference(*args)  # first: an in-place kernel form may overwrite its input
+    got = getattr(ops, name)(*args)
     if name == "moe_gate":
         got, want = sorted_routes(*got), sorted_routes(*want)
     got, want = (got,) if isinstance(got, torch.Tensor) else got, (want,) if isinstance(want, torch.Tensor) else want
@@ -118,6 +121,20 @@ def test_op_matches_reference_in_fp32(case, ops, cache):
         else:
             torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol)
     record_run(cache, name, "c", "fp32 on TileLang's c target matched the reference")
+
+
+def test_rope_inplace_returns_its_input_rotated(ops):
+    """The in-place form writes the rotated channels into x and returns x (the leading channels untouched); a
+    strided x takes the copying form and is left as it was."""
+    x, pos, inv, factor, inverse, _ = rope.example(rope.Variant(3, 32, 8, F, inplace=True), 5, "cpu")
+    before, want = x.clone(), rope.reference(x, pos, inv, factor, inverse)
+    got = ops.rope(x, pos, inv, factor, inverse, inplace=True)
+    assert got is x and torch.equal(x[..., :24], before[..., :24])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    strided = before.transpose(0, 1).contiguous().transpose(0, 1)
+    out = ops.rope(strided, pos, inv, factor, inverse, inplace=True)
+    assert out is not strided and torch.equal(strided, before)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_compress_pool_empty_slots_and_windows_as_the_reference(ops):

@@ -168,8 +168,24 @@ def lower_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("indexer-scores-kernels")
 
 
+def test_sm90_override_takes_the_prefill_variant_only():
+    """sm_90a's prefill kernel (indexer_scores_sm90) takes shared bf16 rows in 64-key tiles; decode (per-query rows),
+    the batch-invariant tile (128 keys), a store in another dtype and every other target keep the portable body."""
+    from tilekernels.ops import indexer_scores_sm90
+
+    kernel = DECLARED[NAME].kernel(NAME)
+    q = torch.empty(1, 64, 128, dtype=torch.bfloat16, device="meta")
+    assert kernel.body_for("sm90", isc.variant(q, True)) is indexer_scores_sm90.body
+    for v in (isc.variant(q, False), isc.variant(q, True, invariant=True), isc.variant(q, True, torch.float32)):
+        assert kernel.body_for("sm90", v) is kernel.body
+    assert all(kernel.body_for(t, isc.variant(q, True)) is kernel.body for t in ("sm100", "ascend", "c"))
+    with pytest.raises(ShapeError, match="shared bf16 rows"):
+        indexer_scores_sm90.body(None, isc.variant(q, False))
+
+
 def test_cuda_source_and_cubin_for_sm90a_and_sm100a(lower_cache):
-    """The shared-rows variant at V4 widths (tests/tilekernels/test_lowering.py lowers the per-query one)."""
+    """The shared-rows variant at V4 widths (tests/tilekernels/test_lowering.py lowers the per-query one; on sm_90a
+    this is indexer_scores_sm90's kernel)."""
     import backends
     from backends.nvidia import without_library
     from codegen import Compiler

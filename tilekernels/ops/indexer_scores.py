@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl, Override, require
+from tilekernels.ops import indexer_scores_sm90
 
 NAME = "indexer_scores"
 # Keys per tile (the GEMM's M) and queries per tile, for both indexer ops: per-query rows take 128 keys of one query;
@@ -138,7 +139,10 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
-KERNEL = Kernel(NAME, body, configs={"default": Config(), "c": Config(threads=1)})
+# sm_90a: a prefill chunk's shared keys take indexer_scores_sm90's kernel (queries held, heads summed in registers);
+# per-query rows (decode) and the batch-invariant tile keep the portable body everywhere.
+KERNEL = Kernel(NAME, body, overrides=(Override("sm90", indexer_scores_sm90.fits, indexer_scores_sm90.body),),
+                configs={"default": Config(), "c": Config(threads=1)})
 
 
 def _round_up(x: int, m: int) -> int:
