@@ -83,14 +83,15 @@ KEYS = {("fp4_pack", "fp4_pack"): fp4_pack.Variant(128, 32, "ue8m0", "bfloat16")
         ("fp4_gather", "fp4_gather"): fp4_gather.Variant(128, 32, "ue8m0", "bfloat16")}
 # One token of o_a (8 groups, split K): the swapped decode variant, linear_decode_sm90's on sm_90a
 SWAPPED = {("linear", "gemm"): linear.variant(1, 1024, 4096, 8)}
-# RoPE in place: the queries' 64 rotated channels of 512, all 64 heads of a token per tile
-INPLACE = {("rope", "rope"): rope.Variant(64, 512, 64, "bfloat16", inverse=True, inplace=True)}
+# RoPE in place: the queries' 64 rotated channels of 512, and odd widths (6 heads of 24, 8 rotated: a tiny config's)
+INPLACE = {"inplace": rope.Variant(64, 512, 64, "bfloat16", inverse=True, inplace=True),
+           "inplace-odd": rope.Variant(6, 24, 8, "bfloat16", inplace=True)}
 ALL = ([(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
        + [(case, v) for case, v in FP32.items()] + [(case, v) for case, v in KEYS.items()]
-       + [(case, v) for case, v in SWAPPED.items()] + [(case, v) for case, v in INPLACE.items()])
+       + [(case, v) for case, v in SWAPPED.items()] + [(("rope", "rope"), v) for v in INPLACE.values()])
 IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
        + [f"{c[0]}.{c[1]}-fp32" for c in FP32] + [f"{c[0]}.{c[1]}-keys" for c in KEYS]
-       + [f"{c[0]}.{c[1]}-swapped" for c in SWAPPED] + [f"{c[0]}.{c[1]}-inplace" for c in INPLACE])
+       + [f"{c[0]}.{c[1]}-swapped" for c in SWAPPED] + [f"rope.rope-{label}" for label in INPLACE])
 
 
 # Kernels lowered elsewhere: the K-permuted FP4 expert kernels are sm90 bodies (tests/test_fp4_repacked.py lowers

@@ -79,3 +79,20 @@ def body(P, v, cfg=None, tune: Tune | None = None):
                             Out[q0 + qb, ne, i] = red[i]
 
     return kernel
+
+
+def trial_request(op: str, kernel: str, variant):
+    """Build request of a tune trial: "indexer_scores@<field=value,...>" is this kernel with those Tune fields,
+    "indexer_scores@portable" the portable body (benchmark sweeps; module level so that build workers import it)."""
+    from codegen import Request
+    from tilekernels.lang import Facade
+    from tilekernels.ops import indexer_scores
+
+    spec = kernel.split("@", 1)[1]
+    if spec == "portable":
+        cfg = indexer_scores.KERNEL.config("sm90")
+        return Request(op, kernel, variant, lambda t: indexer_scores.body(Facade(t.traits), variant, cfg),
+                       lambda t: {})
+    fields = dict(kv.split("=") for kv in spec.split(",") if kv)
+    tune = Tune(**{**TUNE.__dict__, **{k: int(x) for k, x in fields.items()}})
+    return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})

@@ -5,8 +5,8 @@ from the absolute positions in fp32, cast to x's dtype, and the rotation runs in
 by the negative angle (used on the attention output, whose value half carries the keys' rotation).
 
 `inplace=True` lets the op return x itself with its rotated channels overwritten (the caller gives up x; the
-reference returns a new tensor, which is as good): the kernel then reads and writes the rotated channels only,
-all heads of a token per tile (V4's queries rotate 64 of 512 channels: 1/8 of the bytes of the copying form).
+reference returns a new tensor, which is as good): the kernel then reads and writes the rotated channels only
+(V4's queries rotate 64 of 512 channels: 1/8 of the bytes of the copying form).
 """
 
 from dataclasses import dataclass
@@ -94,7 +94,7 @@ def body(P, v: Variant, cfg: Config):
 
 
 def body_inplace(P, v: Variant, cfg: Config):
-    """The in-place form: one tile per token, its heads' rotated channels [H, R] read, rotated and written back."""
+    """The in-place form: one tile per (token, head), its rotated channels read, rotated and written back."""
     T = P.T
     H, D, R, dtype = v.heads, v.dim, v.rope_dim, v.dtype
     NOPE = D - R
@@ -104,22 +104,24 @@ def body_inplace(P, v: Variant, cfg: Config):
     @T.prim_func
     def kernel(X: T.Tensor((M, H, D), dtype), Pos: T.Tensor((M,), "int32"), F: T.Tensor((R // 2,), "float32"),
                factor: T.float32):
-        with P.kernel(M, cfg.threads) as pid:
-            x_io = P.alloc_io((H, R), dtype)
-            y_io = P.alloc_io((H, R), dtype)
+        with P.kernel(M * H, cfg.threads) as pid:
+            x_io = P.alloc_io((R,), dtype)
+            y_io = P.alloc_io((R,), dtype)
             f_io = P.alloc_io((R // 2,), "float32")
             T.copy(F[0 : R // 2], f_io)
-            for row in P.tiles(M, pid):
-                T.copy(X[row, 0:H, NOPE:D], x_io)
+            for t in P.tiles(M * H, pid):
+                row = t // H
+                head = t % H
+                T.copy(X[row, head, NOPE:D], x_io)
                 with P.vector(cfg.threads):
-                    for h, j in T.Parallel(H, R):
+                    for j in T.Parallel(R):
                         angle = T.cast(Pos[row], "float32") * f_io[j // 2]
                         c = T.cast(T.cast(T.cos(angle) * factor, dtype), "float32")
                         s = T.cast(T.cast(T.sin(angle) * (factor * sign), dtype), "float32")
-                        mate = T.if_then_else(j % 2 == 0, -T.cast(x_io[h, T.min(j + 1, R - 1)], "float32"),
-                                              T.cast(x_io[h, T.max(j - 1, 0)], "float32"))
-                        y_io[h, j] = T.cast(T.cast(x_io[h, j], "float32") * c + mate * s, dtype)
-                T.copy(y_io, X[row, 0:H, NOPE:D])
+                        mate = T.if_then_else(j % 2 == 0, -T.cast(x_io[T.min(j + 1, R - 1)], "float32"),
+                                              T.cast(x_io[T.max(j - 1, 0)], "float32"))
+                        y_io[j] = T.cast(T.cast(x_io[j], "float32") * c + mate * s, dtype)
+                T.copy(y_io, X[row, head, NOPE:D])
 
     return kernel
 
