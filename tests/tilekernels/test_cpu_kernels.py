@@ -56,6 +56,7 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "rope-kv": ("rope", rope.Variant(1, 32, 8, F), 6),
     "rope-inplace": ("rope", rope.Variant(4, 32, 8, F, inplace=True), 6),
     "rope-inplace-inverse-odd-kv": ("rope", rope.Variant(1, 20, 6, F, inverse=True, inplace=True), 3),
+    "rope-inplace-grouped": ("rope", rope.Variant(4, 8, 2, F, inplace=True), 5),  # 2 heads per tile on the c target
     "linear": ("linear", linear.Variant(32, 48, F), 37),
     "linear-splitk": ("linear", linear.Variant(32, 1024, F), 3),
     "linear-ragged": ("linear", linear.Variant(40, 48, F), 3),  # N=40: the c target's 16-wide tiles do not divide it
