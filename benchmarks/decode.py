@@ -230,7 +230,42 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
         for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
             if chunk <= n:
                 row = prefill(model, cfg, dtype, n, chunk)
-                results["prefill"].append(dict(row, invariant=invariant))
+                tflops = prefill_flops(cfg, specs, n) / row["seconds"] / 1e12
+                print(f"  {tflops:.0f} TFLOP/s of useful FLOPs ({prefill_flops(cfg, specs, n) / n / 1e9:.2f} GFLOP a "
+                      f"token), {tflops / PEAK_BF16_TFLOPS:.1%} of the {PEAK_BF16_TFLOPS} TFLOP/s dense bf16 peak",
+                      flush=True)
+                results["prefill"].append(dict(row, invariant=invariant, useful_tflops=tflops,
+                                               of_bf16_peak=tflops / PEAK_BF16_TFLOPS))
+
+
+PEAK_BF16_TFLOPS = 989  # H100 / H200 SXM, dense bf16 tensor cores
+
+
+def prefill_flops(cfg, specs, n: int) -> float:
+    """Useful FLOPs of prefilling one sequence of `n` tokens from position 0: 2 per weight each token multiplies (every
+    layer's matrices with the routed experts at top_k of E; not the embedding; lm_head for the last token only), the
+    attention's 4 x rows x heads x head_dim at each position's own causal rows (window; CSA: + its top-k of the closed
+    entries; HCA: + every closed entry) and CSA's indexer scores (2 x closed entries x index heads x index dim)."""
+    from deepinfer.config import CSA, HCA
+
+    top = cfg.num_experts_per_tok / cfg.n_routed_experts
+    per_token = sum(2 * torch.Size(sp.shape).numel() * (top if ".experts." in name else 1)
+                    for name, sp in specs.items()
+                    if name.startswith("layers.") and len(sp.shape) >= 2 and sp.kind != "int"
+                    and "position_bias" not in name)
+    seen = torch.arange(1, n + 1, dtype=torch.float64)  # each position's causal length
+    window = seen.clamp(max=cfg.sliding_window)
+    rows = index = 0.0
+    for kind in cfg.layer_types:
+        rows += window.sum().item()
+        if kind == CSA:
+            closed = torch.div(seen, cfg.compress_rate_csa, rounding_mode="floor")
+            rows += closed.clamp(max=cfg.index_topk).sum().item()
+            index += 2 * closed.sum().item() * cfg.index_n_heads * cfg.index_head_dim
+        elif kind == HCA:
+            rows += torch.div(seen, cfg.compress_rate_hca, rounding_mode="floor").sum().item()
+    attention = 4 * rows * cfg.num_attention_heads * cfg.head_dim
+    return n * per_token + attention + index + 2 * specs["lm_head.weight"].shape[0] * cfg.hidden_size
 
 
 def prefill(model, cfg, dtype, n: int, chunk: int) -> dict:

@@ -129,7 +129,8 @@ class DeepseekV4:
         """Embed, then every layer: the final residual streams [N, hc, H]. `taps` (DSpark): gets the input streams
         of the layers of `self.taps`, each averaged over the mHC copies [N, H], in layer order."""
         cfg = self.cfg
-        streams = self.ops.embedding(ids, self.weights.embed).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        emb = self.ops.embedding(ids, self.weights.embed)  # hc copies side by side (cat: a vectorized copy)
+        streams = torch.cat([emb] * cfg.hc_mult, dim=1).view(emb.shape[0], cfg.hc_mult, -1)
         for i, layer in enumerate(self.weights.layers):
             if taps is not None and i in self.taps:
                 taps.append(streams.mean(dim=1))
