@@ -1,8 +1,8 @@
 """Routed experts: for every (token, slot) run expert `indices[t, s]`'s clipped SwiGLU FFN and add it,
 scaled by its routing weight (applied after the down projection), into the token's output.
 
-Kernel path: the (token, slot) rows are sorted by expert into an expert-major layout where each expert's rows
-start on a tile boundary (padding rows are zero); a grouped GEMM (each M tile belongs to one expert) computes
+Kernel path: the (token, slot) rows are gathered by expert into an expert-major layout where each expert's rows
+start on a tile boundary (padding rows hold some token's row; their results are never read); a grouped GEMM (each M tile belongs to one expert) computes
 gate_up, the SwiGLU kernel activates, a second grouped GEMM computes down, and the weighted rows are added
 back per token (`moe_decode`: the layout at decode sizes and the weighted sum are kernels too). FP4 and bf16
 experts at decode sizes (up to DECODE_TOKENS tokens) use 16-row tiles; on sm_90a
@@ -246,7 +246,8 @@ def variant(n: int, k: int, experts: int, dtype: str, fp4: bool = False, tokens:
     variant(2I, H, E, dtype), down is variant(H, I, E, dtype). FP4 weights (any activation dtype) and bf16
     weights at up to DECODE_TOKENS tokens get the decode tile (a few rows per expert: DECODE_BLOCK_M-row tiles;
     the same variant on every target: sm_90a runs its decode override, the others the portable body with 16-row
-    tiles); fp32 experts keep 64-row tiles."""
+    tiles); past them bf16 experts take PREFILL_BLOCK_M-row tiles (sm_90a: moe_bf16_prefill_sm90), FP4 and fp32
+    ones BLOCK_M."""
     decode = (fp4 or dtype == "bfloat16") and tokens is not None and tokens <= DECODE_TOKENS
     if decode:
         return Variant(n, k, experts, dtype, DECODE_BLOCK_M, fp4)
