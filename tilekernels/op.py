@@ -90,3 +90,19 @@ def require(ok: bool, op: str, message: str) -> None:
     """Raise ShapeError('<op>: <message>') when a kernel cannot take its inputs."""
     if not ok:
         raise ShapeError(f"{op}: {message}")
+
+
+def tuned(base: Any, spec: str) -> Any:
+    """`base` (a frozen tile dataclass) with the integer fields of a tune trial's `spec` ("field=value,...", as in
+    a benchmark sweep's kernel name "<kernel>@<spec>") replaced; an unknown field or a non-integer value raises
+    ValueError naming it and the fields accepted."""
+    from dataclasses import fields, replace
+
+    names = [f.name for f in fields(base)]
+    changes = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in names or not value.lstrip("-").isdigit():
+            raise ValueError(f"tune trial {item!r} of {spec!r}: expected field=integer with a field of {names}")
+        changes[key] = int(value)
+    return replace(base, **changes)

@@ -210,3 +210,17 @@ def test_ragged_variants_build_cubins_with_tensor_cores(case, cache):
         cubin = art.file("cubin")
         assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin"
     # Ascend: tests/compile/test_every_config_lowers.py lowers every ragged GEMM of the odd configs (traps checked)
+
+
+def test_tune_trials_parse_their_fields_and_name_a_bad_one():
+    """A benchmark sweep's kernel name "<kernel>@field=value,..." replaces those fields of the tile; an unknown field
+    or a non-integer value is refused naming it and the fields there are."""
+    from tilekernels.op import tuned
+    from tilekernels.ops import moe_bf16_prefill_sm90 as pre
+
+    assert tuned(pre.TUNE, "block_n=128,stages=4") == pre.Tune(block_n=128, stages=4)
+    assert tuned(pre.TUNE, "") == pre.TUNE
+    with pytest.raises(ValueError, match=r"'blockn=128'.*field of \['block_n'"):
+        tuned(pre.TUNE, "blockn=128")
+    with pytest.raises(ValueError, match="'stages=x'"):
+        tuned(pre.TUNE, "stages=x")

@@ -25,7 +25,7 @@ at 4096 tokens: 64 x 16; at 1-64 tokens 16 CTAs of one part each, reading up to 
 
 from dataclasses import dataclass
 
-from tilekernels.op import require
+from tilekernels.op import require, tuned
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,5 @@ def trial_request(op: str, kernel: str, variant):
 
     if "@" not in kernel:
         return request(op, kernel, variant)
-    fields = dict(kv.split("=") for kv in kernel.split("@", 1)[1].split(",") if kv)
-    tune = Tune(**{**TUNE.__dict__, **{k: int(x) for k, x in fields.items()}})
+    tune = tuned(TUNE, kernel.split("@", 1)[1])
     return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})

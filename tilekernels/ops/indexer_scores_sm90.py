@@ -12,7 +12,7 @@ kept; the head sum's order differs from the portable body's (scores agree to fp3
 
 from dataclasses import dataclass
 
-from tilekernels.op import require
+from tilekernels.op import require, tuned
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,5 @@ def trial_request(op: str, kernel: str, variant):
         cfg = indexer_scores.KERNEL.config("sm90")
         return Request(op, kernel, variant, lambda t: indexer_scores.body(Facade(t.traits), variant, cfg),
                        lambda t: {})
-    fields = dict(kv.split("=") for kv in spec.split(",") if kv)
-    tune = Tune(**{**TUNE.__dict__, **{k: int(x) for k, x in fields.items()}})
+    tune = tuned(TUNE, spec)
     return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})

@@ -19,7 +19,7 @@ token; lm_head alone took 0.36 ms of a 2.27 ms V4-Flash slice step against 0.25 
 
 from dataclasses import dataclass
 
-from tilekernels.op import require
+from tilekernels.op import require, tuned
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,5 @@ def trial_request(op: str, kernel: str, variant):
     base = linear.KERNEL.config("sm90")
     if spec == "portable":
         return Request(op, kernel, variant, lambda t: linear.body(Facade(t.traits), variant, base), lambda t: {})
-    fields = dict(kv.split("=") for kv in spec.split(",") if kv)
-    tune = Tune(**{**TUNE.__dict__, **{k: int(x) for k, x in fields.items()}})
+    tune = tuned(TUNE, spec)
     return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, base, tune), lambda t: {})

@@ -12,7 +12,7 @@ expert's rows) does nothing. Ragged N and K are tensor edges (zero-filled loads,
 
 from dataclasses import dataclass
 
-from tilekernels.op import require
+from tilekernels.op import require, tuned
 
 ROWS = (64, 128)  # the M tiles it takes: one consumer warpgroup per 64 rows
 
@@ -94,6 +94,5 @@ def trial_request(op: str, kernel: str, variant):
     if spec == "portable":
         cfg = moe_experts.KERNEL.config("sm90")
         return Request(op, kernel, variant, lambda t: moe_experts.body(Facade(t.traits), variant, cfg), lambda t: {})
-    fields = dict(kv.split("=") for kv in spec.split(",") if kv)
-    tune = Tune(**{**TUNE.__dict__, **{k: int(x) for k, x in fields.items()}})
+    tune = tuned(TUNE, spec)
     return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})

@@ -22,7 +22,7 @@ stored.
 
 from dataclasses import dataclass
 
-from tilekernels.op import require
+from tilekernels.op import require, tuned
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,5 @@ def trial_request(op: str, kernel: str, variant):
 
     if "@" not in kernel:
         return request(op, kernel, variant)
-    fields = dict(kv.split("=") for kv in kernel.split("@", 1)[1].split(",") if kv)
-    tune = Tune(**{**TUNE.__dict__, **{k: int(x) for k, x in fields.items()}})
+    tune = tuned(TUNE, kernel.split("@", 1)[1])
     return Request(op, kernel, variant, lambda t: body_decode(Facade(t.traits), variant, None, tune), lambda t: {})
