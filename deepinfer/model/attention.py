@@ -50,8 +50,8 @@ def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Ten
 
     q_res = ops.rms_norm(lin("q_a", w.q_a_proj), w.q_a_norm, eps)
     q = ops.linear(q_res, w.q_b_proj).view(n, cfg.num_attention_heads, cfg.head_dim)
-    # rotated in place: every rope input here is a fresh intermediate no one else reads
-    q = ops.rope(ops.rms_norm_unweighted(q, eps), pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True)
+    # rotated in place: every rope input here is a fresh intermediate no one else reads (q normalised in the pass)
+    q = ops.rope(q, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True, norm_eps=eps)
     kv = ops.rms_norm(lin("kv", w.kv_proj), w.kv_norm, eps)
     kv = ops.rope(kv, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True)
     comp = index = None

@@ -102,6 +102,22 @@ def test_kernel_replays_from_a_cuda_graph(name, sm90_ops, cuda):
     compare(name, out, DECLARED[name].reference(*args), args)
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 512])
+def test_query_norm_and_rope_in_one_pass(tokens, cuda, sm90_ops):
+    """V4's queries normalised per head and rotated in place by one kernel (rope's `norm` form) against the
+    reference (the unweighted norm, then RoPE) at V4-Flash widths; the result is the input tensor itself."""
+    from tilekernels.ops import rope
+
+    torch.manual_seed(tokens)
+    x, pos, inv, factor, inverse, inplace, eps = rope.example(rope.Variant(64, 512, 64, "bfloat16", norm=True),
+                                                             tokens, cuda)
+    x = x * 5  # rows far from unit RMS: the norm matters
+    want = rope.reference(x, pos, inv, factor, inverse, norm_eps=eps)
+    got = sm90_ops.rope(x, pos, inv, factor, inverse, inplace=True, norm_eps=eps)
+    assert got is x
+    compare("rope", got, want)
+
+
 def test_fp4_experts_at_v4_flash_widths(cuda, sm90_ops):
     """FP4 experts converted in the kernel against the reference on the same FP4 weights (dequantized: e2m1 times
     a power of two is exact in bf16, so the bf16 GEMM tolerance applies unchanged), decode to prefill sizes."""

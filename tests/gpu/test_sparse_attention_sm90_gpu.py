@@ -1,4 +1,4 @@
-"""sparse_attention's sm90 `split` override (tilekernels/ops/sparse_attention_sm90.py) on the H200 against the
+"""sparse_attention's sm90 `split` and `whole` overrides (tilekernels/ops/sparse_attention_sm90.py) on the H200 against the
 PyTorch reference at V4-Flash decode shapes, and the portable fallback for a variant it does not take. Run
 with `pytest -m gpu` on the GPU host."""
 
@@ -24,9 +24,22 @@ def check(ops, args):
 
 
 def test_the_flash_variant_takes_the_override():
-    split = OP.kernel("split")
+    split, whole = OP.kernel("split"), OP.kernel("whole")
     assert split.body_for("sm90", FLASH) is sparse_attention_sm90.body
     assert split.body_for("sm100", FLASH) is sparse_attention.split_body
+    assert whole.body_for("sm90", FLASH) is sparse_attention_sm90.whole_body
+    assert whole.body_for("sm100", FLASH) is sparse_attention.whole_body
+
+
+@pytest.mark.parametrize("queries, rows", [(300, 640), (256, 128), (133, 2048)])
+def test_whole_override_matches_reference_at_prefill_shapes(queries, rows, sm90_ops, cuda):
+    """Enough queries for a plan of one split (about one CTA per SM or more): the `whole` kernel merges the sink
+    and normalises in the kernel; a query with an empty first step and one with no valid row (output 0)."""
+    assert sparse_attention.plan(queries, 64, rows, wide=True)[0] == 1
+    q, kv, idx, sinks, scale = OP.example(FLASH, queries, cuda, kv_rows=rows)
+    idx[1, :64] = -1
+    idx[2, :] = -1
+    check(sm90_ops, (q, kv, idx, sinks * 3, scale))
 
 
 @pytest.mark.parametrize("rows", [640, 2048])
@@ -74,4 +87,7 @@ def test_portable_fallback_for_a_tiny_variant(sm90_ops, cuda):
     kv = torch.randn(200, 20, device=cuda).to(torch.bfloat16)
     idx = torch.randint(0, 200, (8, 70), device=cuda)
     idx[:, -5:] = -1
+    check(sm90_ops, (q, kv, idx, torch.randn(5, device=cuda), 20**-0.5))
+    q, idx = torch.randn(300, 5, 20, device=cuda).to(torch.bfloat16), torch.randint(0, 200, (300, 70), device=cuda)
+    assert sparse_attention.plan(300, 16, 70)[0] == 1  # the portable `whole` body
     check(sm90_ops, (q, kv, idx, torch.randn(5, device=cuda), 20**-0.5))

@@ -53,6 +53,8 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "rms_norm_unweighted": ("rms_norm_unweighted", rms_norm.Variant(32, F, weighted=False), 5),
     "rope": ("rope", rope.Variant(4, 32, 8, F), 6),
     "rope-inverse-odd": ("rope", rope.Variant(5, 20, 6, F, inverse=True), 3),
+    "rope-norm": ("rope", rope.Variant(4, 32, 8, F, inplace=True, norm=True), 6),  # V4's q norm in the same pass
+    "rope-norm-odd": ("rope", rope.Variant(6, 20, 6, F, inverse=True, inplace=True, norm=True), 3),
     "rope-kv": ("rope", rope.Variant(1, 32, 8, F), 6),
     "rope-inplace": ("rope", rope.Variant(4, 32, 8, F, inplace=True), 6),
     "rope-inplace-inverse-odd-kv": ("rope", rope.Variant(1, 20, 6, F, inverse=True, inplace=True), 3),
@@ -77,6 +79,9 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "hc_post-ragged": ("hc_post", hc_post.Variant(4, 100, F), 1),
     "sparse_attention": ("sparse_attention", sparse_attention.Variant(16, 32, F), 3),
     "sparse_attention-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 2),
+    # enough queries for a plan of one split: the `whole` kernel (the sink merged in the kernel, no combine)
+    "sparse_attention-whole": ("sparse_attention", sparse_attention.Variant(16, 32, F), 300),
+    "sparse_attention-whole-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 260),
     "indexer_scores": ("indexer_scores", indexer_scores.Variant(16, 64, F, False), 3),
     "indexer_scores-shared-odd": ("indexer_scores", indexer_scores.Variant(5, 20, F, True), 7),
     # V4-Flash's compressors (CSA with its overlap: 8 slots, head_dim 512 and the indexer's 128; HCA: 128 slots),

@@ -6,7 +6,8 @@ by the negative angle (used on the attention output, whose value half carries th
 
 `inplace=True` lets the op return x itself with its rotated channels overwritten (the caller gives up x; the
 reference returns a new tensor, which is as good): the kernel then reads and writes the rotated channels only
-(V4's queries rotate 64 of 512 channels: 1/8 of the bytes of the copying form).
+(V4's queries rotate 64 of 512 channels: 1/8 of the bytes of the copying form). `norm_eps` normalises each row
+first (V4's per-head query norm) in the same in-place pass: one read and one write of the queries.
 """
 
 from dataclasses import dataclass
@@ -24,9 +25,13 @@ def reference(
     attention_factor: float = 1.0,
     inverse: bool = False,
     inplace: bool = False,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """x [N, ..., D], positions [N] int, inv_freq [r/2] fp32 -> x with its last r channels rotated (`inplace`: the
-    kernel may reuse x's storage for the result; the reference never does)."""
+    kernel may reuse x's storage for the result; the reference never does). `norm_eps`: x first normalised by the
+    unweighted RMSNorm of each row of D (`rms_norm_unweighted`, V4's per-head query norm), in the same pass."""
+    if norm_eps is not None:
+        x = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps).to(x.dtype)
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [N, r/2]
     cos = (freqs.cos() * attention_factor).to(x.dtype)
     sin = (freqs.sin() * attention_factor).to(x.dtype)
@@ -50,6 +55,7 @@ class Variant:
     dtype: str
     inverse: bool = False
     inplace: bool = False  # the rotated channels written back into x (no output tensor)
+    norm: bool = False  # in place, each row first RMS-normalised (unweighted): every channel read and written
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class Config:
 
 
 def body(P, v: Variant, cfg: Config):
+    if v.norm:
+        return body_norm(P, v, cfg)
     if v.inplace:
         return body_inplace(P, v, cfg)
     T = P.T
@@ -138,20 +146,94 @@ def body_inplace(P, v: Variant, cfg: Config):
     return kernel
 
 
+def norm_heads_per_tile(heads: int, dim: int, threads: int) -> int:
+    """The normalising form's heads per tile: the most that divide `heads` with at most 16 channels per thread
+    (V4's queries: 4 heads of 512 with 128 threads)."""
+    return max(g for g in range(1, heads + 1) if heads % g == 0 and (g == 1 or g * dim <= 16 * threads))
+
+
+def body_norm(P, v: Variant, cfg: Config):
+    """The normalising in-place form: one tile per (token, group of heads); each head's row normalised in fp32 and
+    rounded to x's dtype (the rms_norm kernel's arithmetic), its trailing channels then rotated from those rounded
+    values (the rope kernel's), the whole rows written back: one read and one write of x instead of two each."""
+    T = P.T
+    H, D, R, dtype = v.heads, v.dim, v.rope_dim, v.dtype
+    G = norm_heads_per_tile(H, D, cfg.threads)
+    HG = H // G
+    NOPE = D - R
+    sign = -1.0 if v.inverse else 1.0
+    M = T.dynamic("M")
+    F32 = "float32"
+
+    DP = P.padded(D, cfg.threads)
+
+    def square(x_io, g, j):  # x[g, j]^2 in fp32, 0 in the padding
+        if DP == D:
+            return T.cast(x_io[g, j], F32) * T.cast(x_io[g, j], F32)
+        return T.if_then_else(j < D, T.cast(x_io[g, T.min(j, D - 1)], F32) * T.cast(x_io[g, T.min(j, D - 1)], F32),
+                              0.0)
+
+    def normed(x_io, r_io, g, j):  # channel j of head g normalised, rounded to x's dtype, back in fp32
+        return T.cast(T.cast(T.cast(x_io[g, j], F32) * r_io[g], dtype), F32)
+
+    @T.prim_func
+    def kernel(X: T.Tensor((M, H, D), dtype), Pos: T.Tensor((M,), "int32"), F: T.Tensor((R // 2,), F32),
+               factor: T.float32, eps: T.float32):
+        with P.kernel(M * HG, cfg.threads) as pid:
+            x_io = P.alloc_io((G, D), dtype)
+            y_io = P.alloc_io((G, D), dtype)
+            r_io = P.alloc_io((G,), F32)  # each head's 1 / rms
+            f_io = P.alloc_io((R // 2,), F32)
+            T.copy(F[0 : R // 2], f_io)
+            for t in P.tiles(M * HG, pid):
+                row = t // HG
+                h0 = t % HG * G
+                T.copy(X[row, h0 : h0 + G, 0:D], x_io)
+                for g in T.serial(G):  # one reduction a head, over DP (the threads' width: see rms_norm)
+                    with P.vector(cfg.threads):
+                        sq = P.alloc_reg((DP,), F32)
+                        ss = P.alloc_reg((1,), F32)
+                        for j in T.Parallel(DP):
+                            sq[j] = square(x_io, g, j)
+                        T.reduce_sum(sq, ss, dim=0)
+                        r_io[g] = T.rsqrt(ss[0] / D + eps)
+                with P.vector(cfg.threads):
+                    for g, j in T.Parallel(G, NOPE):
+                        y_io[g, j] = T.cast(normed(x_io, r_io, g, j), dtype)
+                    for g, k in T.Parallel(G, R):  # k: the channel within the rotated slice
+                        angle = T.cast(Pos[row], F32) * f_io[k // 2]
+                        c = T.cast(T.cast(T.cos(angle) * factor, dtype), F32)
+                        s = T.cast(T.cast(T.sin(angle) * (factor * sign), dtype), F32)
+                        mate = T.if_then_else(k % 2 == 0, -normed(x_io, r_io, g, NOPE + T.min(k + 1, R - 1)),
+                                              normed(x_io, r_io, g, NOPE + T.max(k - 1, 0)))
+                        y_io[g, NOPE + k] = T.cast(normed(x_io, r_io, g, NOPE + k) * c + mate * s, dtype)
+                T.copy(y_io, X[row, h0 : h0 + G, 0:D])
+
+    return kernel
+
+
 KERNEL = Kernel("rope", body, configs={"default": Config(), "c": Config(threads=1)})
 
 
-def variant(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False) -> Variant:
+def variant(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False,
+            norm: bool = False) -> Variant:
     """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
     heads = 1 if x.dim() == 2 else x.shape[-2]
     v = Variant(heads=heads, dim=x.shape[-1], rope_dim=2 * inv_freq.shape[0], dtype=dtypes.name(x.dtype),
-                inverse=inverse, inplace=inplace)
+                inverse=inverse, inplace=inplace or norm, norm=norm)
     require(v.rope_dim <= v.dim, "rope", f"the rotated width {v.rope_dim} exceeds the head dim {v.dim}")
     return v
 
 
 def run(launch, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0,
-        inverse: bool = False, inplace: bool = False) -> torch.Tensor:
+        inverse: bool = False, inplace: bool = False, norm_eps: float | None = None) -> torch.Tensor:
+    if norm_eps is not None:  # normalised in place: into x, or into a contiguous copy of a strided x (not x)
+        if not (inplace and x.is_contiguous()):
+            x = x.clone(memory_format=torch.contiguous_format)
+        v = variant(x, inv_freq, inverse, norm=True)
+        launch("rope", v)(x.view(-1, v.heads, v.dim), positions.to(torch.int32), inv_freq.float().contiguous(),
+                          float(attention_factor), float(norm_eps))
+        return x
     v = variant(x, inv_freq, inverse, inplace and x.is_contiguous())  # a strided x: the copying form
     if v.inplace:
         launch("rope", v)(x.view(-1, v.heads, v.dim), positions.to(torch.int32), inv_freq.float().contiguous(),
@@ -168,7 +250,7 @@ def example(v: Variant, rows: int, device) -> tuple:
     x = torch.randn(*shape, device=device).to(dtypes.torch_dtype(v.dtype))
     pos = torch.randint(0, 65536, (rows,), device=device)
     inv = 1.0 / (10000 ** (torch.arange(0, v.rope_dim, 2, device=device).float() / v.rope_dim))
-    return (x, pos, inv, 1.0, v.inverse) + ((True,) if v.inplace else ())
+    return (x, pos, inv, 1.0, v.inverse) + ((True,) if v.inplace or v.norm else ()) + ((1e-6,) if v.norm else ())
 
 
 OP = OpDecl(

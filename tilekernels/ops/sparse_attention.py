@@ -3,7 +3,8 @@
 
 Kernels: `split` runs flash-style online softmax over one split of a query's KV row list for a block of heads
 and writes the unnormalised output with its running max and sum; `combine` merges the splits and the sink
-with an online max/rescale. The split count is a runtime size (the split dimension of Idx/Op/Stats): `run`
+with an online max/rescale; `whole` (the same body) takes a query's whole list when the plan has one split (a
+prefill chunk, a large decode batch) and merges the sink itself: no fp32 partials, one kernel. The split count is a runtime size (the split dimension of Idx/Op/Stats): `run`
 picks it from the context length, and one compiled variant serves every context. On sm90, variants of 64-head
 groups with head dim 512 (V4-Flash) run `split` as a whole-kernel override (`sparse_attention_sm90`: all 64
 heads per CTA, wgmma); the others, and every other target, run the portable bodies.
@@ -69,6 +70,17 @@ class Config:
 
 
 def split_body(P, v: Variant, cfg: Config):
+    """One split of each query's row list: the unnormalised output and (running max, running sum) per head."""
+    return _attention_body(P, v, cfg, whole=False)
+
+
+def whole_body(P, v: Variant, cfg: Config):
+    """A query's whole row list in one tile (a plan of one split): the sink merged in and the output normalised
+    in the kernel (`combine`'s arithmetic), written in q's dtype: no fp32 partials, no second kernel."""
+    return _attention_body(P, v, cfg, whole=True)
+
+
+def _attention_body(P, v: Variant, cfg: Config, whole: bool):
     require(v.dim % DIM_ALIGN == 0 and v.heads % v.block_h == 0, "sparse_attention",
             f"the kernel takes dim a multiple of {DIM_ALIGN} and heads of {v.block_h}, got {v.dim}/{v.heads} (run pads)")
     T = P.T
@@ -77,9 +89,8 @@ def split_body(P, v: Variant, cfg: Config):
     VR, HK = P.vec_rows(BH), P.vec_rows(BK)
     S, PR, NS, KB = T.dynamic("S"), T.dynamic("PR"), T.dynamic("NS"), T.dynamic("KB")
 
-    @T.prim_func
-    def kernel(Q: T.Tensor((S, H, D), dtype), KV: T.Tensor((PR, D), dtype), Idx: T.Tensor((S, NS, KB, BK), "int32"),
-               Op: T.Tensor((S, NS, H, D), "float32"), Stats: T.Tensor((S, NS, H, 2), "float32"), scale: T.float32):
+    @T.macro
+    def attend(Q, KV, Idx, Op, Stats, Sinks, Out, scale):
         with P.kernel(S * HB * NS, cfg.threads) as pid:
             q_op = P.alloc_operand((BH, D), dtype)
             k_op = P.alloc_operand((BK, D), dtype)
@@ -99,6 +110,8 @@ def split_body(P, v: Variant, cfg: Config):
             l_vec = P.alloc_vec((VR,), "float32")  # running sum
             a_vec = P.alloc_vec((VR,), "float32")
             st_io = P.alloc_io((VR, 2), "float32")
+            sk_io = P.alloc_io((VR, 1), "float32") if whole else None
+            out_io = P.alloc_io((VR, D), dtype) if whole else None
             for t in P.tiles(S * HB * NS, pid):
                 # truncating (not floor) division: t and NS are non-negative, and the floor forms of a division
                 # by a runtime size emit sign fix-ups in 64-bit arithmetic at every use
@@ -147,13 +160,35 @@ def split_body(P, v: Variant, cfg: Config):
                     with P.vector(cfg.threads):
                         for i, d in T.Parallel(VR, D):
                             o_vec[i, d] = o_vec[i, d] * a_vec[i] + pv_io[i, d]
-                with P.vector(cfg.threads):
-                    for i in T.Parallel(VR):
-                        st_io[i, 0] = m_vec[i]
-                        st_io[i, 1] = l_vec[i]
-                P.split_copy(o_vec, Op[s, sp, h0 : h0 + BH, 0:D])
-                P.split_copy(st_io, Stats[s, sp, h0 : h0 + BH, 0:2])
+                if whole:  # combine's merge with the sink as the only other part: o * b / (a + b * l)
+                    P.split_copy(Sinks[h0 : h0 + BH, 0:1], sk_io)
+                    with P.vector(cfg.threads):
+                        for i in T.Parallel(VR):
+                            top = T.max(sk_io[i, 0], m_vec[i])
+                            a_vec[i] = T.exp(m_vec[i] - top) / (T.exp(sk_io[i, 0] - top)
+                                                                + T.exp(m_vec[i] - top) * l_vec[i])
+                        for i, d in T.Parallel(VR, D):
+                            out_io[i, d] = T.cast(o_vec[i, d] * a_vec[i], dtype)
+                    P.split_copy(out_io, Out[s, h0 : h0 + BH, 0:D])
+                else:
+                    with P.vector(cfg.threads):
+                        for i in T.Parallel(VR):
+                            st_io[i, 0] = m_vec[i]
+                            st_io[i, 1] = l_vec[i]
+                    P.split_copy(o_vec, Op[s, sp, h0 : h0 + BH, 0:D])
+                    P.split_copy(st_io, Stats[s, sp, h0 : h0 + BH, 0:2])
 
+    Tn = T.Tensor
+    if whole:
+        @T.prim_func
+        def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
+                   Sinks: Tn((H, 1), "float32"), Out: Tn((S, H, D), dtype), scale: T.float32):
+            attend(Q, KV, Idx, None, None, Sinks, Out, scale)
+    else:
+        @T.prim_func
+        def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
+                   Op: Tn((S, NS, H, D), "float32"), Stats: Tn((S, NS, H, 2), "float32"), scale: T.float32):
+            attend(Q, KV, Idx, Op, Stats, None, None, scale)
     return kernel
 
 
@@ -210,7 +245,8 @@ def combine_body(P, v: Variant, cfg: Config):
 
 _CONFIGS = {"default": Config(), "c": Config(threads=1)}
 KERNELS = (Kernel("split", split_body, configs=_CONFIGS, overrides=(Override("sm90", hopper.fits, hopper.body),)),
-           Kernel("combine", combine_body, configs=_CONFIGS))
+           Kernel("combine", combine_body, configs=_CONFIGS),
+           Kernel("whole", whole_body, configs=_CONFIGS, overrides=(Override("sm90", hopper.fits, hopper.whole_body),)))
 MAX_SPLITS = 16
 INVARIANT_SPLIT_ROWS = 256  # KV rows per split in batch-invariant mode (a multiple of hopper.SPLIT_ROWS)
 INVARIANT_PARTIAL_BYTES = 1 << 30  # batch-invariant mode: queries per launch keep the fp32 partials below 1 GiB
@@ -268,11 +304,18 @@ def run(launch, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks:
         kv = torch.nn.functional.pad(kv, (0, dp - d))
     invariant = getattr(launch, "invariant", False)
     splits, per_split = plan(s, h, indices.shape[1], v.block_h, v.block_k, hopper.fits(v), invariant)
-    idx = torch.full((s, splits * per_split * v.block_k), -1, dtype=torch.int32, device=q.device)
-    idx[:, : indices.shape[1]] = indices
+    width = splits * per_split * v.block_k
+    if indices.shape[1] == width:  # the lists fill the plan's blocks exactly (prefill's window and top-k)
+        idx = indices.to(torch.int32).contiguous()
+    else:
+        idx = torch.full((s, width), -1, dtype=torch.int32, device=q.device)
+        idx[:, : indices.shape[1]] = indices
     idx = idx.view(s, splits, per_split, v.block_k)
     q, kv, sinks = q.contiguous(), kv.contiguous(), sinks.float().contiguous()
     out = torch.empty_like(q)
+    if splits == 1 and not invariant:  # one split: normalised in the kernel, no partials and no combine
+        launch("whole", v)(q, kv, idx, sinks.view(-1, 1), out, float(scale))
+        return out[:, :heads, :d].contiguous() if h != heads or dp != d else out
     # the invariant plan's splits do not shrink with many queries: launch them in groups (each query is its own)
     group = max(1, INVARIANT_PARTIAL_BYTES // (splits * h * dp * 4)) if invariant else max(s, 1)
     for first in range(0, s, group):

@@ -1,4 +1,4 @@
-"""sm90 override of sparse_attention's `split` kernel for wide decode shapes (FlashMLA-style).
+"""sm90 override of sparse_attention's `split` and `whole` kernels for 64-head groups (FlashMLA-style).
 
 One CTA per (query, split, 64-head group): the 64 heads' queries [64, D] sit in shared memory once (loaded
 with cp.async, overlapping the first gather) and the split's listed KV rows stream through a double-buffered
@@ -7,8 +7,9 @@ cp.async copies whose row numbers come from the split's index list staged in sha
 blocks at a time). S = Q K^T and O += P V are wgmma (M = 64: the two warpgroups split N), V being the same
 gathered tile read as the [K, N] operand (no transposed copy); online softmax in fp32. The kernel signature and
 outputs are the portable `split` body's: Op holds the unnormalised output and Stats (running max, running sum)
-per head, merged by the portable `combine`. `run`'s `plan` splits these variants in whole 64-row steps over
-about one wave of CTAs (`SPLIT_ROWS`, `TARGET_CTAS`).
+per head, merged by the portable `combine`; the `whole` form (a plan of one split: prefill, large decode
+batches) merges the sink itself and stores the normalised output in q's dtype. `run`'s `plan` splits these
+variants in whole 64-row steps over about one wave of CTAs (`SPLIT_ROWS`, `TARGET_CTAS`).
 
 Empty slots (-1) gather row 0 (finite values: a masked column's P is 0, and 0 * finite V adds nothing) and are
 masked to -inf before the max; the running max starts at -1e30, so a tile or a whole split without a valid
@@ -47,6 +48,15 @@ def fits(v) -> bool:
 
 def body(P, v, cfg):
     """The split kernel; `cfg` is the op's Config (its `sm90` field a Tune)."""
+    return _body(P, v, cfg, whole=False)
+
+
+def whole_body(P, v, cfg):
+    """The `whole` kernel (one split: the sink merged and the output normalised here, stored in q's dtype)."""
+    return _body(P, v, cfg, whole=True)
+
+
+def _body(P, v, cfg, whole: bool):
     tune: Tune = cfg.sm90
     T = P.T
     H, D, dtype, BK = v.heads, v.dim, v.dtype, v.block_k
@@ -60,9 +70,8 @@ def body(P, v, cfg):
     NEG = -1e30
     LW = BR if tune.lazy_sum else 1  # width of the running-sum state
 
-    @T.prim_func
-    def kernel(Q: T.Tensor((S, H, D), dtype), KV: T.Tensor((PR, D), dtype), Idx: T.Tensor((S, NS, KB, BK), "int32"),
-               Op: T.Tensor((S, NS, H, D), "float32"), Stats: T.Tensor((S, NS, H, 2), "float32"), scale: T.float32):
+    @T.macro
+    def attend(Q, KV, Idx, Op, Stats, Sinks, Out, scale):
         with T.Kernel(S * HB * NS, threads=tune.threads) as pid:
             q_s = T.alloc_shared((HC, D), dtype)
             kv_s = T.alloc_shared((BR, D), dtype)
@@ -117,11 +126,29 @@ def body(P, v, cfg):
                     T.copy(acc_s, p_s)
                     T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)  # V = the same rows, [K, N]
             T.reduce_sum(l_i, l_t, dim=1, clear=True)
-            T.copy(acc_o, Op[s, sp, h0 : h0 + HC, 0:D])
-            for h in T.Parallel(HC):
-                Stats[s, sp, h0 + h, 0] = m_i[h]
-                Stats[s, sp, h0 + h, 1] = l_t[h]
+            if whole:  # combine's merge with the sink as the only other part: o * b / (a + b * l)
+                for h in T.Parallel(HC):
+                    top = T.max(Sinks[h0 + h, 0], m_i[h])
+                    alpha[h] = T.exp(m_i[h] - top) / (T.exp(Sinks[h0 + h, 0] - top) + T.exp(m_i[h] - top) * l_t[h])
+                for h, d in T.Parallel(HC, D):
+                    Out[s, h0 + h, d] = T.cast(acc_o[h, d] * alpha[h], dtype)
+            else:
+                T.copy(acc_o, Op[s, sp, h0 : h0 + HC, 0:D])
+                for h in T.Parallel(HC):
+                    Stats[s, sp, h0 + h, 0] = m_i[h]
+                    Stats[s, sp, h0 + h, 1] = l_t[h]
 
+    Tn = T.Tensor
+    if whole:
+        @T.prim_func
+        def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
+                   Sinks: Tn((H, 1), "float32"), Out: Tn((S, H, D), dtype), scale: T.float32):
+            attend(Q, KV, Idx, None, None, Sinks, Out, scale)
+    else:
+        @T.prim_func
+        def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
+                   Op: Tn((S, NS, H, D), "float32"), Stats: Tn((S, NS, H, 2), "float32"), scale: T.float32):
+            attend(Q, KV, Idx, Op, Stats, None, None, scale)
     return kernel
 
 
