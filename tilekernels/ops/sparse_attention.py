@@ -178,18 +178,7 @@ def _attention_body(P, v: Variant, cfg: Config, whole: bool):
                     P.split_copy(o_vec, Op[s, sp, h0 : h0 + BH, 0:D])
                     P.split_copy(st_io, Stats[s, sp, h0 : h0 + BH, 0:2])
 
-    Tn = T.Tensor
-    if whole:
-        @T.prim_func
-        def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
-                   Sinks: Tn((H, 1), "float32"), Out: Tn((S, H, D), dtype), scale: T.float32):
-            attend(Q, KV, Idx, None, None, Sinks, Out, scale)
-    else:
-        @T.prim_func
-        def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
-                   Op: Tn((S, NS, H, D), "float32"), Stats: Tn((S, NS, H, 2), "float32"), scale: T.float32):
-            attend(Q, KV, Idx, Op, Stats, None, None, scale)
-    return kernel
+    return hopper.prim_func(T, attend, v, whole, (S, PR, NS, KB))
 
 
 def combine_body(P, v: Variant, cfg: Config):

@@ -138,7 +138,15 @@ def _body(P, v, cfg, whole: bool):
                     Stats[s, sp, h0 + h, 0] = m_i[h]
                     Stats[s, sp, h0 + h, 1] = l_t[h]
 
-    Tn = T.Tensor
+    return prim_func(T, attend, v, whole, (S, PR, NS, KB))
+
+
+def prim_func(T, attend, v, whole: bool, sizes):
+    """The kernel of `attend(Q, KV, Idx, Op, Stats, Sinks, Out, scale)` (a T.macro over the runtime `sizes` S, PR,
+    NS, KB) with the signature of `whole` (Sinks [H, 1] fp32 and Out) or of `split` (Op and Stats); shared by this
+    override and the portable bodies."""
+    Tn, H, D, BK, dtype = T.Tensor, v.heads, v.dim, v.block_k, v.dtype
+    S, PR, NS, KB = sizes
     if whole:
         @T.prim_func
         def kernel(Q: Tn((S, H, D), dtype), KV: Tn((PR, D), dtype), Idx: Tn((S, NS, KB, BK), "int32"),
