@@ -110,9 +110,11 @@ def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCa
     # Window rows of `full` (not of the cache): query at position q sees q-W+1 .. q; row of position x is
     # x - first, where first = t0 - len(past).
     pos = torch.arange(t0, t0 + n, device=kv.device)
-    win_pos = pos.view(-1, 1) + torch.arange(-window + 1, 1, device=kv.device).view(1, -1)
     first = t0 - past_pos.numel()
-    win_rows = torch.where(win_pos >= first, win_pos - first, torch.full_like(win_pos, -1))
+    # int32 lists (the attention kernel's index type: no conversion of [n, K] lists later); any row before `full`'s
+    # first (negative) is -1
+    win_rows = (torch.arange(t0 - first, t0 - first + n, dtype=torch.int32, device=kv.device).view(-1, 1)
+                + torch.arange(-window + 1, 1, dtype=torch.int32, device=kv.device).view(1, -1)).clamp_(min=-1)
     for boundary, snapshot in seq.take.items():  # exact prefix cache: the window as it is at a block boundary
         if t0 < boundary <= t0 + n:
             at = (torch.arange(boundary - window, boundary, device=kv.device) - first).clamp(min=0)
@@ -131,5 +133,5 @@ def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCa
     else:
         entry = torch.arange(entries.shape[0], device=kv.device).view(1, -1)
         picks = torch.where(entry < visible.view(-1, 1), entry, torch.full_like(entry, -1))
-    comp_rows = torch.where(picks >= 0, picks + full.shape[0], torch.full_like(picks, -1))
+    comp_rows = torch.where(picks >= 0, picks.to(torch.int32) + full.shape[0], -1)
     return torch.cat([full, entries.to(full.dtype)], dim=0), torch.cat([win_rows, comp_rows], dim=1)
