@@ -48,9 +48,10 @@ def compress_prefill(
     first_entry = t0 // rate
     # the rows the pooling reads from the ring: the open window's, and with overlap the last closed window's
     start = max(first_entry - int(comp.overlap), 0) * rate
-    old = torch.arange(start, t0, device=kv.device)
-    kv = torch.cat([comp.buf_kv[slot, comp.rows(old)], kv], dim=0)  # positions start .. t0 + S - 1
-    gate = torch.cat([comp.buf_gate[slot, comp.rows(old)], gate], dim=0)
+    if start < t0:  # positions start .. t0 + S - 1 (a first chunk's rows are all new: no copy)
+        old = torch.arange(start, t0, device=kv.device)
+        kv = torch.cat([comp.buf_kv[slot, comp.rows(old)], kv], dim=0)
+        gate = torch.cat([comp.buf_gate[slot, comp.rows(old)], gate], dim=0)
     new = torch.arange(max(t0, t0 + n_new - comp.layout.buffer_rows), t0 + n_new, device=kv.device)
     comp.buf_kv[slot, comp.rows(new)] = kv[new - start]
     comp.buf_gate[slot, comp.rows(new)] = gate[new - start]
@@ -59,21 +60,22 @@ def compress_prefill(
     n = total - first_entry
     if n > 0:
         base = first_entry * rate - start  # row of the first closing window's first position
-        chunk_kv = kv[base : base + n * rate].view(n, rate, -1)
-        chunk_gate = gate[base : base + n * rate].view(n, rate, -1) + w.position_bias
         if comp.overlap:
-            slots_kv = chunk_kv.new_zeros((n, 2 * rate, d))
-            slots_gate = chunk_gate.new_full((n, 2 * rate, d), float("-inf"))
-            slots_kv[:, rate:] = chunk_kv[..., d:]
-            slots_gate[:, rate:] = chunk_gate[..., d:]
-            # window w's prior is window w-1's first series (none before window 0)
+            # window w's slots: window w-1's first series (none before window 0: zeros, -inf gates), then its own
+            # second series; the windows from the first one's prior on, biased once, joined by one cat each
             skip = 1 if first_entry == 0 else 0
-            if n > skip:
-                prior = slice(base - rate + skip * rate, base + (n - 1) * rate)
-                slots_kv[skip:, :rate] = kv[prior].view(n - skip, rate, -1)[..., :d]
-                slots_gate[skip:, :rate] = (gate[prior].view(n - skip, rate, -1) + w.position_bias)[..., :d]
+            lo = base - (1 - skip) * rate
+            ext_kv = kv[lo : base + n * rate].view(n + 1 - skip, rate, -1)
+            ext_gate = gate[lo : base + n * rate].view(n + 1 - skip, rate, -1) + w.position_bias
+            prior_kv, prior_gate = ext_kv[:-1, :, :d], ext_gate[:-1, :, :d]
+            if skip:
+                prior_kv = torch.nn.functional.pad(prior_kv, (0, 0, 0, 0, 1, 0))
+                prior_gate = torch.nn.functional.pad(prior_gate, (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            slots_kv = torch.cat([prior_kv, ext_kv[1 - skip:, :, d:]], dim=1)
+            slots_gate = torch.cat([prior_gate, ext_gate[1 - skip:, :, d:]], dim=1)
         else:
-            slots_kv, slots_gate = chunk_kv, chunk_gate
+            slots_kv = kv[base : base + n * rate].view(n, rate, -1)
+            slots_gate = gate[base : base + n * rate].view(n, rate, -1) + w.position_bias
         entries = torch.arange(first_entry, total, device=kv.device)
         pooled = _finish(ops, w, ops.compress_pool(slots_kv, slots_gate), entries * rate, eps, rope)
         rows = comp.layout.entry_rows(blocks, entries)

@@ -10,7 +10,7 @@ reference returns a new tensor, which is as good): the kernel then reads and wri
 first (V4's per-head query norm) in the same in-place pass: one read and one write of the queries.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,12 @@ class Variant:
 @dataclass(frozen=True)
 class Config:
     threads: int = 128
+    pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+# sm90 / sm100: plain vector copies (a tile is a few KB; a TMA store of the normalising form's staged rows had
+# TileLang synchronise inside the staging loop)
+_NO_TMA = Config(pass_configs={"tl.disable_tma_lower": True})
 
 
 def body(P, v: Variant, cfg: Config):
@@ -152,6 +158,10 @@ def norm_heads_per_tile(heads: int, dim: int, threads: int) -> int:
     return max(g for g in range(1, heads + 1) if heads % g == 0 and (g == 1 or g * dim <= 16 * threads))
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def body_norm(P, v: Variant, cfg: Config):
     """The normalising in-place form: one tile per (token, group of heads); each head's row normalised in fp32 and
     rounded to x's dtype (the rms_norm kernel's arithmetic), its trailing channels then rotated from those rounded
@@ -166,6 +176,9 @@ def body_norm(P, v: Variant, cfg: Config):
     F32 = "float32"
 
     DP = P.padded(D, cfg.threads)
+    # one reduction over [G, D] where the threads split it into whole power-of-two groups a row (the reduction's
+    # butterfly needs that); otherwise one reduction a head over the padded width
+    ROWWISE = G * D % cfg.threads == 0 and _pow2(cfg.threads // G) and (G * D // cfg.threads) <= D and cfg.threads > 1
 
     def square(x_io, g, j):  # x[g, j]^2 in fp32, 0 in the padding
         if DP == D:
@@ -189,17 +202,28 @@ def body_norm(P, v: Variant, cfg: Config):
                 row = t // HG
                 h0 = t % HG * G
                 T.copy(X[row, h0 : h0 + G, 0:D], x_io)
-                for g in T.serial(G):  # one reduction a head, over DP (the threads' width: see rms_norm)
+                if ROWWISE:  # every head's sum of squares in one reduction (a warp's lanes a row at V4's widths)
                     with P.vector(cfg.threads):
-                        sq = P.alloc_reg((DP,), F32)
-                        ss = P.alloc_reg((1,), F32)
-                        for j in T.Parallel(DP):
-                            sq[j] = square(x_io, g, j)
-                        T.reduce_sum(sq, ss, dim=0)
-                        r_io[g] = T.rsqrt(ss[0] / D + eps)
-                with P.vector(cfg.threads):
-                    for g, j in T.Parallel(G, NOPE):
+                        sq2 = P.alloc_reg((G, D), F32)
+                        ss2 = P.alloc_reg((G,), F32)
+                        for g, j in T.Parallel(G, D):
+                            sq2[g, j] = T.cast(x_io[g, j], F32) * T.cast(x_io[g, j], F32)
+                        T.reduce_sum(sq2, ss2, dim=1)
+                        for g in T.Parallel(G):
+                            r_io[g] = T.rsqrt(ss2[g] / D + eps)
+                else:
+                    for g in T.serial(G):  # one reduction a head, over DP (the threads' width: see rms_norm)
+                        with P.vector(cfg.threads):
+                            sq = P.alloc_reg((DP,), F32)
+                            ss = P.alloc_reg((1,), F32)
+                            for j in T.Parallel(DP):
+                                sq[j] = square(x_io, g, j)
+                            T.reduce_sum(sq, ss, dim=0)
+                            r_io[g] = T.rsqrt(ss[0] / D + eps)
+                with P.vector(cfg.threads):  # every channel normalised (the rotated ones overwritten next)
+                    for g, j in T.Parallel(G, D):
                         y_io[g, j] = T.cast(normed(x_io, r_io, g, j), dtype)
+                with P.vector(cfg.threads):
                     for g, k in T.Parallel(G, R):  # k: the channel within the rotated slice
                         angle = T.cast(Pos[row], F32) * f_io[k // 2]
                         c = T.cast(T.cast(T.cos(angle) * factor, dtype), F32)
@@ -212,7 +236,7 @@ def body_norm(P, v: Variant, cfg: Config):
     return kernel
 
 
-KERNEL = Kernel("rope", body, configs={"default": Config(), "c": Config(threads=1)})
+KERNEL = Kernel("rope", body, configs={"default": Config(), "sm90": _NO_TMA, "sm100": _NO_TMA, "c": Config(threads=1)})
 
 
 def variant(x: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, inplace: bool = False,
