@@ -81,7 +81,6 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "sparse_attention-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 2),
     # enough queries for a plan of one split: the `whole` kernel (the sink merged in the kernel, no combine)
     "sparse_attention-whole": ("sparse_attention", sparse_attention.Variant(16, 32, F), 300),
-    "sparse_attention-whole-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 260),
     "indexer_scores": ("indexer_scores", indexer_scores.Variant(16, 64, F, False), 3),
     "indexer_scores-shared-odd": ("indexer_scores", indexer_scores.Variant(5, 20, F, True), 7),
     # V4-Flash's compressors (CSA with its overlap: 8 slots, head_dim 512 and the indexer's 128; HCA: 128 slots),
