@@ -304,15 +304,14 @@ def run(launch, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks:
     out = torch.empty_like(q)
     if splits == 1 and not invariant:  # one split: normalised in the kernel, no partials and no combine
         launch("whole", v)(q, kv, idx, sinks.view(-1, 1), out, float(scale))
-        return out[:, :heads, :d].contiguous() if h != heads or dp != d else out
-    # the invariant plan's splits do not shrink with many queries: launch them in groups (each query is its own)
-    group = max(1, INVARIANT_PARTIAL_BYTES // (splits * h * dp * 4)) if invariant else max(s, 1)
-    for first in range(0, s, group):
-        n = min(group, s - first)
-        o_part = torch.empty(n, splits, h, dp, dtype=torch.float32, device=q.device)
-        stats = torch.empty(n, splits, h, 2, dtype=torch.float32, device=q.device)
-        launch("split", v)(q[first:first + n], kv, idx[first:first + n], o_part, stats, float(scale))
-        launch("combine", v)(o_part, stats, sinks, out[first:first + n])
+    else:  # the invariant plan's splits do not shrink with many queries: launch them in groups (each query alone)
+        group = max(1, INVARIANT_PARTIAL_BYTES // (splits * h * dp * 4)) if invariant else max(s, 1)
+        for first in range(0, s, group):
+            n = min(group, s - first)
+            o_part = torch.empty(n, splits, h, dp, dtype=torch.float32, device=q.device)
+            stats = torch.empty(n, splits, h, 2, dtype=torch.float32, device=q.device)
+            launch("split", v)(q[first:first + n], kv, idx[first:first + n], o_part, stats, float(scale))
+            launch("combine", v)(o_part, stats, sinks, out[first:first + n])
     if h != heads or dp != d:
         return out[:, :heads, :d].contiguous()
     return out
