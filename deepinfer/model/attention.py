@@ -32,13 +32,18 @@ class AttentionContext:
     def is_csa(self) -> bool:
         return self.cfg.layer_types[self.layer] == CSA
 
+    @property
+    def index_scale(self) -> float:
+        """The indexer scores' scale: dI^-0.5, times the nI^-0.5 its head weights take (one product, not a kernel)."""
+        return self.cfg.index_head_dim**-0.5 * self.cfg.index_n_heads**-0.5
+
 
 @dataclass(frozen=True)
 class Projected:
     q: torch.Tensor  # [N, heads, D], normed and rotated
     kv: torch.Tensor  # [N, D], normed and rotated
     comp: tuple[torch.Tensor, torch.Tensor] | None  # compressor kv, gate [N, width]
-    index: tuple[torch.Tensor, ...] | None  # indexer kv, gate [N, 2 dI], q [N, nI, dI], weights [N, nI]
+    index: tuple[torch.Tensor, ...] | None  # indexer kv, gate [N, 2 dI], q [N, nI, dI], weights [N, nI] fp32 unscaled
 
 
 def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor) -> Projected:
@@ -61,7 +66,7 @@ def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Ten
         ix = w.indexer
         iq = ops.linear(q_res, ix.q_b_proj).view(n, cfg.index_n_heads, cfg.index_head_dim)
         iq = ops.rope(iq, pos, ctx.compress_rope.inv_freq, ctx.compress_rope.attention_factor, inplace=True)
-        iw = lin("index_weights", ix.weights_proj).float() * cfg.index_n_heads**-0.5
+        iw = lin("index_weights", ix.weights_proj).float()  # its nI^-0.5 is in `index_scale`
         index = (lin("index_kv", ix.compressor.kv_proj), lin("index_gate", ix.compressor.gate_proj), iq, iw)
     return Projected(q, kv, comp, index)
 
@@ -128,7 +133,7 @@ def _chunk_rows(ctx, w, p: Projected, rows: slice, seq: SeqCache, layer: LayerCa
     if ctx.is_csa:
         ikv, igate, iq, iw = (t[rows] for t in p.index)
         keys = compress_prefill(ops, layer.indexer, w.indexer.compressor, seq, t0, ikv, igate, eps, crope)
-        scores = ops.indexer_scores(iq, keys, iw, cfg.index_head_dim**-0.5)
+        scores = ops.indexer_scores(iq, keys, iw, ctx.index_scale)
         picks = ops.indexer_topk(scores, visible, cfg.index_topk)
     else:
         entry = torch.arange(entries.shape[0], device=kv.device).view(1, -1)

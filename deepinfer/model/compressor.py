@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.runtime.cache import Compressor, SeqCache
+from deepinfer.model.step_rows import StepRows
 from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
 from tilekernels.ops import compress_ring
@@ -107,20 +108,19 @@ def _gathered(comp: Compressor, w: CompressorWeights, owner, ring_rows, entry, r
 
 
 def compress_decode(
-    ops: OpTable, comp: Compressor, w: CompressorWeights, inp, rows, kv: torch.Tensor, gate: torch.Tensor,
+    ops: OpTable, comp: Compressor, w: CompressorWeights, rows: StepRows, kv: torch.Tensor, gate: torch.Tensor,
     eps: float, rope: RopeTables,
 ) -> None:
-    """One new token per row: kv/gate [B, width] at `inp.positions` [B] for sequences in `inp.slots` [B] whose block
-    tables are `inp.blocks` [B, max_blocks] (`decode.DecodeInputs`); the row arithmetic shared through `rows`
-    (`decode.StepRows`) with the step's other compressors. Static shapes throughout; rows of one sequence write
-    their buffer rows before any row pools."""
+    """One new token per row: kv/gate [B, width] at the step's positions [B] for its slots [B] (block tables [B,
+    max_blocks]), the row arithmetic shared through `rows` with the step's other compressors. Static shapes
+    throughout; rows of one sequence write their buffer rows before any row pools."""
     lay = comp.layout
-    slots, positions, blocks = inp.slots, inp.positions, inp.blocks
+    slots, positions = rows.slots, rows.positions
     rate, ring = lay.rate, lay.buffer_rows
-    # the buffer place, the entry that closes now (where one closes), the ring rows of the row's window (and of the
-    # window before it, with where no window is before it): made once per step for every compressor of this geometry
-    at, entry, ring_rows = rows.get(("closing", rate, ring), lambda: (
-        lay.buffer_index(slots, positions), lay.closing_entry(positions),
+    entry = rows.closing_entry(rate)  # the entry that closes now (where one closes)
+    # the buffer place and the ring rows of the row's window: made once per step for every compressor of this geometry
+    at, ring_rows = rows.get(("ring", rate, ring), lambda: (
+        lay.buffer_index(slots, positions),
         ((positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)) % ring))
     comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
     comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
@@ -135,4 +135,4 @@ def compress_decode(
     else:  # long windows (HCA): gathered by PyTorch, then pooled (compress_pool stages a window with one 2D copy)
         pooled = ops.compress_pool(*_gathered(comp, w, slots.view(-1, 1), ring_rows, entry, rows))
     entries = _finish(ops, w, pooled, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
-    comp.store[rows.get(("close rows", lay), lambda: lay.close_rows(blocks, positions))] = entries.to(comp.store.dtype)
+    comp.store[rows.close_rows(lay)] = entries.to(comp.store.dtype)

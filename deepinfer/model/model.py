@@ -17,7 +17,8 @@ from deepinfer.runtime.cache import PagedCache, SeqCache
 from deepinfer.config import HASH_MOE, SLIDING, ModelConfig
 from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
 from deepinfer.model.compressor import RopeTables
-from deepinfer.model.decode import DecodeInputs, StepRows, decode_core
+from deepinfer.model.decode import DecodeInputs, decode_core
+from deepinfer.model.step_rows import StepRows
 from deepinfer.model.moe import moe
 from deepinfer.model.rollback import check_tentative
 from deepinfer.model.rope import inv_freq
@@ -93,12 +94,12 @@ class DeepseekV4:
         verify step's) write their state before any row reads it, so each sees the rows before it."""
 
         rotated = inp.positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
-        rows = StepRows()  # cache rows the layers share, made once this step
+        rows = StepRows(inp.positions, inp.slots, inp.blocks)  # cache rows the layers share, made once this step
 
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
             p = project(ctx, w, x, rotated)
-            return self._gathered(finish(ctx, w, decode_core(ctx, w, p, inp, cache.layers[layer], rows), rotated))
+            return self._gathered(finish(ctx, w, decode_core(ctx, w, p, cache.layers[layer], rows), rotated))
 
         taps = [] if hidden else None
         streams = self.blocks(inp.ids, attend, taps)
