@@ -11,7 +11,7 @@ registers, the collapse by the whole CTA, measured slower on the H200: 0.22 agai
 4096 tokens, 0.041 against 0.022 ms at one: the serial tail of a thread is the longer path.)"""
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,9 +61,14 @@ class Variant:
 class Config:
     chunk: int = 512  # stream columns per step of the mixing matvec
     threads: int = 128
+    pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 CONFIGS = {"default": Config(), "c": Config(chunk=64, threads=1)}
+# The finishing kernel on sm90 / sm100 stores with plain vector stores: TileLang lowers its staged stores (post, comb,
+# each collapse chunk) to TMA stores, each waited for before the staging tile is reused (10 waits a token)
+_NO_TMA = Config(pass_configs={"tl.disable_tma_lower": True})
+FINISH_CONFIGS = {**CONFIGS, "sm90": _NO_TMA, "sm100": _NO_TMA}
 # The mixing matvec is split in parts at every row count (one variant per layer: the plan needs no row boundary):
 # one tile per token would stream all of fn (2 MB at V4.1) in 40 serial chunks, while M * split portable tiles of 2
 # chunks fill the GPU at decode, and at prefill the sm_90a GEMM's (64 tokens, part) tiles do (a pass per token
@@ -152,8 +157,8 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
         return step
 
     @T.macro
-    def tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, red_io, o_io, Scale, Base, Pre, Post, Comb, Out,
-             hc_eps, norm_eps):
+    def tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, alt_io, red_io, o_io, Scale, Base, Pre, Post, Comb,
+             Out, hc_eps, norm_eps):
         """From a token's mixing dot products acc [MIX] and sum of squares ss [1]: normalize, the sigmoids, the comb
         softmax and Sinkhorn, then store post, comb and pre (or the streams s_io collapsed with pre)."""
         with P.vector(cfg.threads):
@@ -175,15 +180,13 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                 red_io[j] = col_sum(comb_io, j)
             for i, j in T.Parallel(N, N):
                 comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
-            for _ in T.serial(v.iters - 1):  # Sinkhorn-Knopp: rows, then columns
-                for i in T.Parallel(N):
-                    red_io[i] = row_sum(comb_io, i)
+            # Sinkhorn-Knopp: rows, then columns; each element sums its own row (column) from the other buffer, so
+            # an iteration is two dependent steps (not four: sums, then quotients, twice), the same sums in order
+            for _ in T.serial(v.iters - 1):
                 for i, j in T.Parallel(N, N):
-                    comb_io[i * N + j] = comb_io[i * N + j] / (red_io[i] + hc_eps)
-                for j in T.Parallel(N):
-                    red_io[j] = col_sum(comb_io, j)
+                    alt_io[i * N + j] = comb_io[i * N + j] / (row_sum(comb_io, i) + hc_eps)
                 for i, j in T.Parallel(N, N):
-                    comb_io[i * N + j] = comb_io[i * N + j] / (red_io[j] + hc_eps)
+                    comb_io[i * N + j] = alt_io[i * N + j] / (col_sum(alt_io, j) + hc_eps)
         T.copy(post_io, Post[row, 0:N])
         T.copy(comb_io, Comb[row, 0 : N * N])
         if not collapse:
@@ -250,6 +253,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
             pre_io = P.alloc_io((N,), "float32")
             post_io = P.alloc_io((N,), "float32")
             comb_io = P.alloc_io((N * N,), "float32")
+            alt_io = P.alloc_io((N * N,), "float32")
             red_io = P.alloc_io((N,), "float32")
             o_io = P.alloc_io((BH,), dtype) if collapse else None
             acc = P.alloc_vec((MIX,), "float32")
@@ -263,8 +267,8 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                     for o in T.Parallel(MIX):
                         acc[o] = sum_parts(d_io, o, MIX)
                     ss[0] = sum_parts(q_io, 0, 1)
-                tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, red_io, o_io, Scale, Base, Pre, Post, Comb,
-                     Out, hc_eps, norm_eps)
+                tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, alt_io, red_io, o_io, Scale, Base, Pre, Post,
+                     Comb, Out, hc_eps, norm_eps)
 
     Tn, F32 = T.Tensor, "float32"
     if stage == "split":
@@ -294,7 +298,7 @@ def kernels(name: str, collapse: bool) -> tuple[Kernel, ...]:
     split = Kernel(name + "_split", functools.partial(mixes_body, collapse=collapse, stage="split"), configs=CONFIGS,
                    overrides=(Override("sm90", hc_mixes_sm90.fits, hc_mixes_sm90.body),))
     return split, Kernel(name + "_finish", functools.partial(mixes_body, collapse=collapse, stage="finish"),
-                         configs=CONFIGS)
+                         configs=FINISH_CONFIGS)
 
 
 def launch_mixes(launch, name: str, collapse: bool, v, streams, fn, base, scale, outs, hc_eps, norm_eps) -> None:
