@@ -149,8 +149,7 @@ class DSparkDrafter(BlockDrafter):
         streams = streams.contiguous()
         for block, layer in zip(w.blocks, cache.draft_layers):
             streams = model.block(block, streams, attention(block, layer), ffn(block))
-        hc = w.hc_head
-        collapsed = ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_norm_eps)  # [R * b, H]
+        collapsed = model.collapse_head(streams, w.hc_head)  # [R * b, H]
         logits = ops.linear(ops.rms_norm(collapsed, w.norm, cfg.rms_norm_eps), model.weights.lm_head)
         return logits.view(r, b, -1), collapsed.view(r, b, -1)
 

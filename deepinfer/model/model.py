@@ -22,6 +22,7 @@ from deepinfer.model.step_rows import StepRows
 from deepinfer.model.moe import moe
 from deepinfer.model.rollback import check_tentative
 from deepinfer.model.rope import inv_freq
+from deepinfer.model.hyper_head import HeadAsPre, collapse
 from deepinfer.model.weights import HyperConnection, Layer, MoE, ModelWeights
 from tilekernels import OpTable
 
@@ -47,6 +48,16 @@ class DeepseekV4:
             AttentionContext(heads, ops, i, main if kind == SLIDING else comp, comp)
             for i, kind in enumerate(cfg.layer_types)
         ]
+        # every HyperHead (the target's, the MTP layers', DSpark's) laid out once as a pre-block's (`hyper_head`)
+        hcs = [weights.hc_head, *(m.hc_head for m in weights.mtp)]
+        if weights.dspark is not None:
+            hcs.append(weights.dspark.hc_head)
+        self._heads = {id(hc): HeadAsPre.of(hc) for hc in hcs}
+
+    def collapse_head(self, streams: torch.Tensor, hc: HyperConnection) -> torch.Tensor:
+        """The HyperHead collapse of `hc` (one of the model's heads) [T, N, H] -> [T, H]."""
+        cfg = self.cfg
+        return collapse(self.ops, streams, self._heads[id(hc)], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
 
     @property
     def device(self) -> torch.device:
@@ -159,8 +170,7 @@ class DeepseekV4:
             streams = streams[logit_rows]
             if streams.shape[0] == 0:  # a prefill step that ends no prompt: no head (a kernel takes no empty grid)
                 return streams.new_zeros((0, cfg.vocab_size), dtype=torch.float32)
-        h = ops.rms_norm(ops.hc_head(streams, hc.fn, hc.base, hc.scale, cfg.hc_eps, cfg.rms_norm_eps), norm,
-                         cfg.rms_norm_eps)
+        h = ops.rms_norm(self.collapse_head(streams, hc), norm, cfg.rms_norm_eps)
         return ops.linear(h, w.lm_head).float()
 
     def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
