@@ -27,8 +27,8 @@ F = "float32"
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, request):
-    """A kernel cache with the c kernels of the selected shape tests (every row bucket) built ahead by two
-    workers (`tests.helpers.prebuild_c`): each test then loads them built."""
+    """A kernel cache with the c kernels of the selected shape and ragged-edge tests (every row bucket) built
+    ahead by two workers (`tests.helpers.prebuild_c`): each test then loads them built."""
     from tests.helpers import kernels_of, prebuild_c, selected
 
     path = tmp_path_factory.mktemp("gemm-shapes")
@@ -42,6 +42,9 @@ def cache(tmp_path_factory, request):
     for n, k in selected(request, "n", "k"):
         if (n, k) in LINEAR:
             items += [i for rows in ROWS for i in kernels_of("linear", linear.variant(rows, n, k, 1, F), rows)]
+    # the ragged-edge test's variants (it launches them directly): split K and groups, not shapes' `run` variants
+    items += [("linear", "gemm", linear.Variant(n, k, F, groups=groups, split_k=split))
+              for n, k, groups, split in selected(request, "n", "k", "groups", "split")]
     prebuild_c(path, items)
     return path
 
