@@ -1,0 +1,76 @@
+"""Build, in parallel, the sm90 kernels that the GPU tests and benchmarks of named configs launch, before running them
+on a fresh GPU host (its kernel cache starts empty; a test or benchmark building its own kernels one by one costs
+minutes of device time). On the GPU host, after `source .gpu-host/setup.sh`:
+
+    python tools/gpu_prebuild.py default tiny slice        # then: pytest -m gpu ..., python -m benchmarks.decode ...
+
+Tags: `default` (the embedded tiny model, both modes), `tiny` (the test configs TINY_A/B, MTP and DSpark ones, both
+modes), `tinyq` (TINY_A with FP8/FP4 weights kept), `v41` (the V4.1 fixtures, fixture a quantized too), `slice` (the
+V4-Flash slice, bf16), `slice-invariant` (its batch-invariant variants), `qslice` (the slice quantized). Jobs:
+min(16, cores); the cache is `DEEPINFER_CACHE_DIR`'s."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice")
+
+
+def items_for(tag: str) -> list[tuple]:
+    """The (op, kernel, variant) items of `tag`'s configs."""
+    from deepinfer.compile.plan import kernel_plan
+    from deepinfer.config import ModelConfig
+    from deepinfer.tiny import tiny_config
+
+    def both(cfg) -> list[tuple]:
+        return kernel_plan(cfg, "bfloat16") + kernel_plan(cfg, "bfloat16", invariant=True)
+
+    if tag == "default":
+        return both(tiny_config())
+    if tag in ("tiny", "tinyq"):
+        from tests.helpers import TINY_A, TINY_B, TINY_DSPARK, TINY_MTP
+
+        if tag == "tinyq":
+            raw = dict(TINY_A, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+            return kernel_plan(ModelConfig.from_dict(raw), "bfloat16", quantized=True)
+        return [i for raw in (TINY_A, TINY_B, TINY_MTP, TINY_DSPARK) for i in both(ModelConfig.from_dict(raw))]
+    if tag == "v41":
+        from deepinfer.config_v41 import V41Config
+        from tests.v41_dirs import QUANTIZATION
+        from tests.v41_fixture import FIXTURES
+
+        out = []
+        for name in ("a", "b", "dspark"):
+            raw = json.loads((FIXTURES / name / "config.json").read_text())
+            out += kernel_plan(V41Config.from_dict(raw), "bfloat16")
+            if name == "a":
+                raw.update(dtype="fp8", expert_dtype="fp4", quantization_config=QUANTIZATION)
+                out += kernel_plan(V41Config.from_dict(raw), "bfloat16", quantized=True)
+        return out
+    if tag in ("slice", "slice-invariant", "qslice"):
+        from benchmarks.decode import SLICE
+
+        cfg = ModelConfig.from_dict(json.loads((SLICE / "config.json").read_text()))
+        return kernel_plan(cfg, "bfloat16", quantized=tag == "qslice", invariant=tag == "slice-invariant")
+    raise ValueError(f"unknown tag {tag!r}; accepted: {', '.join(TAGS)}")
+
+
+def main(tags: list[str]) -> int:
+    from deepinfer.compile.prebuild import build_kernels
+    from deepinfer.env import Env
+
+    start = time.perf_counter()
+    items = list(dict.fromkeys(i for tag in tags for i in items_for(tag)))
+    results = build_kernels("sm90", items, Env.read().cache_dir, jobs=min(16, os.cpu_count() or 1), progress=False)
+    failed = [r for r in results if r.status == "failed"]
+    print(f"gpu_prebuild: {len(items)} kernels, {len(failed)} failed, {time.perf_counter() - start:.0f} s")
+    for r in failed:
+        print(f"FAILED {r.label}: {r.path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # the build workers re-import this module: keep the work under the guard
+    sys.exit(main(sys.argv[1:] or ["default"]))
