@@ -1,6 +1,6 @@
-"""A decode step's shared rows (`deepinfer.model.step_rows.StepRows`, made in few kernels) equal the cache layout's
-row methods they stand for, on every layer geometry, with padding rows, positions before and at window boundaries,
-and a verify step's consecutive positions of one sequence."""
+"""A decode step's shared rows (`deepinfer.model.step_rows.StepRows`, made in few kernels) equal the rows written out
+plainly here (the cache layout's old per-use formulas), on every layer geometry: a step at positions around window
+boundaries with padding rows and a verify step's consecutive rows of one sequence, and a random step."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from deepinfer.runtime.cache import CacheLayout, CacheSpec
 from tests.helpers import ODD_A, TINY_A, TINY_B
 
 CONFIGS = {"tiny_a": TINY_A, "tiny_b": TINY_B, "odd_a": ODD_A}
+SPEC = CacheSpec(num_blocks=11, max_seqs=3, max_blocks_per_seq=4, lookahead=2)
 
 
-def step(layout: CacheLayout, seed: int):
-    """A step of 9 rows: 7 sequences at positions around window boundaries (0, rate - 1, rate, ...), two rows of one
-    sequence at consecutive positions, and a padding row (scratch slot and blocks)."""
+def boundary_step(layout: CacheLayout, seed: int):
+    """9 rows: 7 sequences at positions around window boundaries (0, rate - 1, rate, ...), two rows of one sequence
+    at consecutive positions, and a padding row (scratch slot and blocks)."""
     spec, gen = layout.spec, torch.Generator().manual_seed(seed)
     positions = torch.tensor([0, 3, 4, 127, 128, 131, 255, 300, 301, 0])
     positions = torch.minimum(positions, torch.tensor(spec.max_tokens - 1))
@@ -27,42 +28,57 @@ def step(layout: CacheLayout, seed: int):
     return positions, slots, blocks
 
 
+def random_step(layout: CacheLayout, seed: int):
+    spec, gen, b = layout.spec, torch.Generator().manual_seed(seed), 5
+    slots = torch.randint(0, spec.max_seqs + 1, (b,), generator=gen)
+    positions = torch.randint(0, spec.max_tokens, (b,), generator=gen)
+    positions[0] = 0
+    return positions, slots, torch.randint(0, spec.num_blocks + 1, (b, spec.max_blocks_per_seq), generator=gen)
+
+
+def entry_rows(cl, blocks, entries):
+    return cl.base + blocks.gather(-1, entries // cl.per_block) * cl.per_block + entries % cl.per_block
+
+
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_step_rows_equal_the_layout_rows(name, seed):
-    cfg = ModelConfig.from_dict(CONFIGS[name])
-    layout = CacheLayout.build(cfg, CacheSpec(num_blocks=11, max_seqs=3, max_blocks_per_seq=4, lookahead=2),
-                               torch.float32)
-    positions, slots, blocks = step(layout, seed)
-    rows = StepRows(positions, slots, blocks)
+@pytest.mark.parametrize("make, seed", [(boundary_step, 0), (boundary_step, 1), (random_step, 0)])
+def test_step_rows_equal_the_plain_rows(name, make, seed):
+    layout = CacheLayout.build(ModelConfig.from_dict(CONFIGS[name]), SPEC, torch.float32)
+    pos, slots, blocks = make(layout, seed)
+    rows = StepRows(pos, slots, blocks)
     checked = 0
     for lay in layout.layers:
-        assert torch.equal(rows.attend(lay), lay.attend_rows(slots, positions))
-        assert torch.equal(rows.window(lay), lay.window_rows(slots, positions))
-        for comp in (lay.compressor, lay.indexer):
-            if comp is None:
+        win = pos.view(-1, 1) + torch.arange(-lay.window + 1, 1).view(1, -1)
+        want = torch.where(win >= 0, slots.view(-1, 1) * lay.ring + win % lay.ring, -1)
+        assert torch.equal(rows.attend(lay), want)
+        assert torch.equal(rows.window(lay), slots * lay.ring + pos % lay.ring)
+        assert torch.equal(rows.window(lay), lay.window_rows(slots, pos))
+        for cl in (lay.compressor, lay.indexer):
+            if cl is None:
                 continue
             checked += 1
-            rate = comp.rate
-            assert torch.equal(rows.closed(rate), comp.closed(positions))
-            assert torch.equal(rows.closing(rate), comp.closing(positions))
-            assert torch.equal(rows.closing_entry(rate), comp.closing_entry(positions))
-            assert torch.equal(rows.close_rows(comp), comp.close_rows(blocks, positions))
-            entries = comp.table_entries(blocks)
-            assert torch.equal(rows.keys(comp), comp.entry_rows(blocks, entries))
-            want = comp.picked_rows(blocks, torch.where(entries < comp.closed(positions).view(-1, 1), entries, -1))
-            assert torch.equal(rows.visible(comp), want)
-            picks = torch.randint(0, entries.shape[1], (positions.numel(), 5), generator=torch.Generator().manual_seed(7))
+            closed, closing = (pos + 1) // cl.rate, (pos + 1) % cl.rate == 0
+            assert torch.equal(rows.closed(cl.rate), closed) and torch.equal(rows.closing(cl.rate), closing)
+            closes = torch.clamp(closed - 1, min=0)
+            assert torch.equal(rows.closing_entry(cl.rate), closes)
+            scratch = cl.base + layout.scratch_block * cl.per_block
+            want = torch.where(closing, entry_rows(cl, blocks, closes.view(-1, 1)).view(-1), scratch)
+            assert torch.equal(rows.close_rows(cl), want)
+            entry = torch.arange(blocks.shape[1] * cl.per_block).view(1, -1).expand(pos.numel(), -1)
+            assert torch.equal(rows.keys(cl), entry_rows(cl, blocks, entry))
+            want = torch.where(entry < closed.view(-1, 1), entry_rows(cl, blocks, entry), -1)
+            assert torch.equal(rows.visible(cl), want)
+            picks = torch.randint(0, entry.shape[1], (pos.numel(), 5), generator=torch.Generator().manual_seed(7))
             picks[::2, -2:] = -1  # the top-k's empty picks
-            assert torch.equal(rows.picked(comp, picks), comp.picked_rows(blocks, picks))
-            assert (picks == -1).any() and (rows.closing(rate)).any()  # both branches of -1 and closing exercised
+            want = torch.where(picks >= 0, entry_rows(cl, blocks, picks.clamp(min=0)), -1)
+            assert torch.equal(rows.picked(cl, picks), want)
+            assert make is random_step or closing.any()  # the boundary step closes windows of every rate
     assert checked >= 2
 
 
 def test_each_row_is_made_once_per_step():
-    cfg = ModelConfig.from_dict(TINY_A)
-    layout = CacheLayout.build(cfg, CacheSpec(num_blocks=11, max_seqs=3, max_blocks_per_seq=4), torch.float32)
-    rows = StepRows(*step(layout, 0))
+    layout = CacheLayout.build(ModelConfig.from_dict(TINY_A), SPEC, torch.float32)
+    rows = StepRows(*boundary_step(layout, 0))
     comp = next(lay.compressor for lay in layout.layers if lay.compressor is not None)
     assert rows.close_rows(comp) is rows.close_rows(comp)
     assert rows.entry_table(comp) is rows.entry_table(comp)

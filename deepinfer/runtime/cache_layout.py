@@ -1,7 +1,8 @@
 """The paged cache's layout: one frozen object, computed once from (ModelConfig, CacheSpec, dtype), that holds
-every cache tensor's shape, dtype and bytes per slot and per block, and does all the row arithmetic on them
-(window ring rows, compressed-entry rows through a block table, the rows a closing window writes). The model
-asks it for rows; `PagedCache` allocates from it; cache sizing reads its bytes.
+every cache tensor's shape, dtype and bytes per slot and per block, and the row arithmetic on them (window ring
+rows, compressed-entry rows through a block table, compressor ring places). The model asks it for rows;
+`PagedCache` allocates from it; cache sizing reads its bytes. A decode step's rows, shared by every layer of one
+geometry and made in few kernels, are `deepinfer/model/step_rows.py`'s (from this layout's geometry).
 
 Row methods are pure torch ops with static shapes and no host reads, so that decode can be captured in a graph
 and traced on meta tensors.
@@ -121,42 +122,18 @@ class CompressorLayout:
         """Index of position `positions`' row in the buffer rings of `slots` (broadcast)."""
         return slots, positions % self.buffer_rows
 
-    def closing(self, positions: torch.Tensor) -> torch.Tensor:
-        """Where the token at `positions` closes a window."""
-        return (positions + 1) % self.rate == 0
-
     def closed(self, positions: torch.Tensor) -> torch.Tensor:
         """How many windows are closed once `positions` is in (the entries a query there may see)."""
         return (positions + 1) // self.rate
-
-    def closing_entry(self, positions: torch.Tensor) -> torch.Tensor:
-        """The entry that closes at `positions` (where one closes; 0 before the first)."""
-        return torch.clamp((positions + 1) // self.rate - 1, min=0)
-
-    def table_entries(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Every entry index a block table [B, max_blocks] spans: [B, max_blocks * per_block]."""
-        n = blocks.shape[-1] * self.per_block
-        return torch.arange(n, device=blocks.device).view(1, -1).expand(blocks.shape[0], -1)
 
     def entry_rows(self, blocks: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Store rows of entry indices `entries` (>= 0) of sequences with block tables `blocks` (same rank)."""
         pb = self.per_block
         return self.base + blocks.gather(-1, entries // pb) * pb + entries % pb
 
-    def picked_rows(self, blocks: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
-        """Store rows of entry indices `picks` [B, K], -1 kept as -1."""
-        rows = self.entry_rows(blocks, picks.clamp(min=0))
-        return torch.where(picks >= 0, rows, torch.full_like(rows, -1))
-
     @property
     def scratch_row(self) -> int:
         return self.base + self.scratch_block * self.per_block
-
-    def close_rows(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Store rows that one new token per row [B] writes its pooled entry to: the closing entry's row where a
-        window closes, the scratch block's elsewhere."""
-        rows = self.entry_rows(blocks, self.closing_entry(positions).view(-1, 1)).view(-1)
-        return torch.where(self.closing(positions), rows, torch.full_like(rows, self.scratch_row))
 
 
 @dataclass(frozen=True)
@@ -205,13 +182,6 @@ class LayerLayout:
     def window_rows(self, slots: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
         """Pool rows holding positions `positions` in the window rings of `slots` (broadcast)."""
         return slots * self.ring + positions % self.ring
-
-    def attend_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[B, window] pool rows of the window a query at `positions` [B] sees (positions - window + 1 ..
-        positions), -1 before position 0."""
-        win = positions.view(-1, 1) + torch.arange(-self.window + 1, 1, device=positions.device).view(1, -1)
-        rows = self.window_rows(slots.view(-1, 1), win)
-        return torch.where(win >= 0, rows, torch.full_like(win, -1))
 
 
 @dataclass(frozen=True)
