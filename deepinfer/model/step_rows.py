@@ -2,9 +2,9 @@
 
 At one token a decode step's row arithmetic (which ring row a token writes, which window rows and compressed entries
 a query reads, where a closing window's entry goes) is dozens of tiny integer kernels; the layers of one geometry
-share the results, so each is made once per step (`get`), with formulas that need the fewest kernels. Each equals
-the `CacheLayout` method it stands for (those stay the readable definitions; tests/test_step_rows.py checks the
-two agree), and all are pure torch ops with static shapes and no host reads (captured in the decode graphs)."""
+share the results, so each is made once per step (`get`), with formulas that need the fewest kernels
+(tests/test_step_rows.py checks each against the plain per-use formula), from the `CacheLayout`'s geometry. All
+are pure torch ops with static shapes and no host reads (captured in the decode graphs)."""
 
 from __future__ import annotations
 
@@ -40,16 +40,16 @@ class StepRows:
         return self.get(("closed", rate), lambda: torch.div(self.ends(), rate, rounding_mode="floor"))
 
     def closing(self, rate: int) -> torch.Tensor:
-        """[B] where the row's token closes a window (`CompressorLayout.closing`)."""
+        """[B] where the row's token closes a window."""
         return self.get(("closing", rate), lambda: self.ends() % rate == 0)
 
     def closing_entry(self, rate: int) -> torch.Tensor:
-        """[B] the entry that closes at the row's position, 0 before the first (`CompressorLayout.closing_entry`)."""
+        """[B] the entry that closes at the row's position, 0 before the first."""
         return self.get(("closing entry", rate), lambda: (self.closed(rate) - 1).clamp_(min=0))
 
     # ---- the sliding window ----
     def attend(self, lay: LayerLayout) -> torch.Tensor:
-        """[B, window] pool rows of each query's window, -1 before position 0 (`LayerLayout.attend_rows`)."""
+        """[B, window] pool rows of each query's window, -1 before position 0."""
         def make() -> torch.Tensor:
             win = self.positions.view(-1, 1) + torch.arange(-lay.window + 1, 1, device=self.positions.device)
             rows = torch.add(win % lay.ring, self.slots.view(-1, 1), alpha=lay.ring)
@@ -63,7 +63,7 @@ class StepRows:
     # ---- compressed entries through the block table ----
     def entry_table(self, lay: CompressorLayout) -> torch.Tensor:
         """[B, 1 + E]: column 0 is -1, column 1 + e the store row of entry e of each row's block table
-        (`CompressorLayout.entry_rows` of `table_entries`); so a gather at `entry + 1` reads -1 for entry -1. One
+        (`CompressorLayout.entry_rows`); so a gather at `entry + 1` reads -1 for entry -1. One
         table per layout and step, in three kernels."""
         def make() -> torch.Tensor:
             b, nb, pb = *self.blocks.shape, lay.per_block
@@ -74,12 +74,12 @@ class StepRows:
         return self.get(("entry table", lay), make)
 
     def picked(self, lay: CompressorLayout, picks: torch.Tensor) -> torch.Tensor:
-        """[B, K] store rows of entries `picks` [B, K], -1 kept as -1 (`CompressorLayout.picked_rows`)."""
+        """[B, K] store rows of entries `picks` [B, K], -1 kept as -1."""
         return self.entry_table(lay).gather(1, picks + 1)
 
     def close_rows(self, lay: CompressorLayout) -> torch.Tensor:
         """[B] store rows the rows' pooled entries go to: the closing entry's where a window closes, the scratch
-        block's elsewhere (`CompressorLayout.close_rows`); the closing entry + 1 is max(closed, 1)."""
+        block's elsewhere; the closing entry + 1 is max(closed, 1)."""
         def make() -> torch.Tensor:
             at = self.get(("closing entry + 1", lay.rate), lambda: self.closed(lay.rate).clamp(min=1).view(-1, 1))
             return torch.where(self.closing(lay.rate), self.entry_table(lay).gather(1, at).view(-1), lay.scratch_row)
