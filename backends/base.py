@@ -80,6 +80,8 @@ class Target:
     toolchain: Callable[[], dict[str, str]] = dict  # tool name -> version string ("" when absent)
     runtime: Runtime | None = None
     graphs: Callable[[], Callable[..., Any]] | None = None  # graph-capture factory (None: decode runs eagerly)
+    # a second stream on a device, for a decode step's independent halves (`branch()`, `join()`; None: one stream)
+    side_stream: Callable[[Any], Any] | None = None
     memory: Callable[[Any], tuple[int, int]] | None = None  # (free, total) bytes of a device (None: unknown)
     needs: str = ""  # what must be installed / present to run on it (for errors)
     collectives: str = "gloo"  # the torch.distributed backend of several ranks on this target (nccl, hccl, gloo)

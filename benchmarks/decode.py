@@ -144,8 +144,12 @@ def main() -> None:
     parser.add_argument("--quantized", action="store_true", help="V4's FP8 / FP4 weight formats (see above)")
     parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
                         help="the batch-invariant kernels (both: off and on side by side, with the slowdown)")
+    parser.add_argument("--overlap", choices=("off", "on", "both"), default="on",
+                        help="a decode step's second CUDA stream (deepinfer/model/side_stream.py; both: without it "
+                             "first, decode only)")
     args = parser.parse_args()
 
+    from backends.nvidia.side_stream import SideStream
     from deepinfer.config import ModelConfig
     from deepinfer.env import Env
     from deepinfer.model.model import DeepseekV4
@@ -178,10 +182,14 @@ def main() -> None:
                "quantized": args.quantized, "decode": [], "prefill": []}
     print(f"# {results['device']} | {results['date']} | commit {args.commit} | copy {bw:.0f} GB/s | "
           f"slice weights {results['weights_gb']:.1f} GB", flush=True)
+    overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
     for invariant in modes:
-        model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir, invariant=invariant))
-        measure(model, cfg, specs, quantization, bw, dtype, args, results, invariant)
-        del model
+        for overlap in overlaps:
+            model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir, invariant=invariant),
+                               side=SideStream(torch.device("cuda")) if overlap else None)
+            measure(model, cfg, specs, quantization, bw, dtype, args, results, invariant,
+                    prefill_too=overlap == overlaps[-1])
+            del model
     if len(modes) == 2:
         print(invariance_cost(results), flush=True)
     if args.quantized or args.batch_invariant != "off":  # the reference path dequantizes per call (quantized)
@@ -204,13 +212,15 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
 
-def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: dict, invariant: bool) -> None:
-    """Decode steps (CUDA graphs) at each context and batch, then prefill at 4K and 16K, into `results` (rows
-    tagged with the batch-invariant mode)."""
+def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: dict, invariant: bool,
+            prefill_too: bool = True) -> None:
+    """Decode steps (CUDA graphs) at each context and batch, then (`prefill_too`) prefill at 4K and 16K, into
+    `results` (rows tagged with the batch-invariant mode and the decode step's second stream)."""
     from backends.nvidia.graphs import CudaGraphs
     from deepinfer.runtime.graph import DecodeGraphs
 
-    mode = "batch-invariant" if invariant else "default"
+    overlap = model.side is not None
+    mode = ("batch-invariant" if invariant else "default") + (", two streams" if overlap else ", one stream")
     print(f"## {mode} kernels\n| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -221,12 +231,12 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
                 ms = cuda_ms(lambda: graphs.run(ids, pos, seqs), 10)
             floor = floor_bytes(cfg, specs, batch, context, quantization) / (bw * 1e9) * 1e3
             row = dict(context=context, batch=batch, step_ms=ms, tok_s=batch / ms * 1e3, floor_ms=floor,
-                       ratio=ms / floor, invariant=invariant)
+                       ratio=ms / floor, invariant=invariant, overlap=overlap)
             results["decode"].append(row)
             print(f"| {context} | {batch} | {ms:.3f} | {row['tok_s']:.0f} | {floor:.3f} | {ms / floor:.2f}x |", flush=True)
             cache = graphs = None
             torch.cuda.empty_cache()
-    for n in (4096, 16384):
+    for n in (4096, 16384) if prefill_too else ():
         for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
             if chunk <= n:
                 row = prefill(model, cfg, dtype, n, chunk)

@@ -169,6 +169,7 @@ def main() -> None:
     weights = ModelWeights.from_tensors(cfg, tensors)
     table = kernel_table("sm90", Env.read().cache_dir)
     calls: list[str] = []
+    # one stream: the op-by-op table fences each call on it (the replay's wall time is then the one-stream step's)
     model = DeepseekV4(cfg, weights, table)
     probe = DeepseekV4(cfg, weights, fenced(table, calls))
     out = {"device": torch.cuda.get_device_name(), "quantized": args.quantized, "points": []}

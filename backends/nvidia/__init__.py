@@ -27,6 +27,12 @@ def _graphs():
     return CudaGraphs()
 
 
+def _side_stream(device):
+    from backends.nvidia.side_stream import SideStream
+
+    return SideStream(device)
+
+
 def _memory(device) -> tuple[int, int]:
     import torch
 
@@ -55,6 +61,7 @@ def _target(name: str, arch: str, major: int, acc: str, description: str, invari
         toolchain=toolchain,
         runtime=NvidiaRuntime(tvm_target),
         graphs=_graphs,
+        side_stream=_side_stream,
         memory=_memory,
         collectives="nccl",
         bind_device=_bind,

@@ -9,6 +9,7 @@ closed ones for HCA; the indexer's top-k for CSA). The decode core (batched, sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -47,16 +48,31 @@ class Projected:
 
 
 def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor) -> Projected:
-    cfg, ops, n, eps = ctx.cfg, ctx.ops, x.shape[0], ctx.cfg.rms_norm_eps
-    stacked = project_all(ops, x, w.inputs)  # the parts that share a stack: one GEMM for them all
+    lin, q_res = project_inputs(ctx, w, x)
+    return Projected(project_query(ctx, w, q_res, pos), *project_keys(ctx, w, lin, q_res, pos))
+
+
+def project_inputs(ctx: AttentionContext, w: Attention, x: torch.Tensor) -> tuple[Callable, torch.Tensor]:
+    """The projections of x: (a part's output by name and weight, the normed query latent)."""
+    stacked = project_all(ctx.ops, x, w.inputs)  # the parts that share a stack: one GEMM for them all
 
     def lin(name: str, weight) -> torch.Tensor:
-        return stacked[name] if name in stacked else ops.linear(x, weight)
+        return stacked[name] if name in stacked else ctx.ops.linear(x, weight)
 
-    q_res = ops.rms_norm(lin("q_a", w.q_a_proj), w.q_a_norm, eps)
-    q = ops.linear(q_res, w.q_b_proj).view(n, cfg.num_attention_heads, cfg.head_dim)
+    return lin, ctx.ops.rms_norm(lin("q_a", w.q_a_proj), w.q_a_norm, ctx.cfg.rms_norm_eps)
+
+
+def project_query(ctx: AttentionContext, w: Attention, q_res: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The queries [N, heads, D], normed and rotated, from the query latent."""
+    cfg, n = ctx.cfg, q_res.shape[0]
+    q = ctx.ops.linear(q_res, w.q_b_proj).view(n, cfg.num_attention_heads, cfg.head_dim)
     # rotated in place: every rope input here is a fresh intermediate no one else reads (q normalised in the pass)
-    q = ops.rope(q, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True, norm_eps=eps)
+    return ctx.ops.rope(q, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True, norm_eps=cfg.rms_norm_eps)
+
+
+def project_keys(ctx: AttentionContext, w: Attention, lin: Callable, q_res: torch.Tensor, pos: torch.Tensor) -> tuple:
+    """`Projected`'s kv, comp and index (what the cache and the indexer take) from `project_inputs`."""
+    cfg, ops, n, eps = ctx.cfg, ctx.ops, q_res.shape[0], ctx.cfg.rms_norm_eps
     kv = ops.rms_norm(lin("kv", w.kv_proj), w.kv_norm, eps)
     kv = ops.rope(kv, pos, ctx.rope.inv_freq, ctx.rope.attention_factor, inplace=True)
     comp = index = None
@@ -68,7 +84,7 @@ def project(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Ten
         iq = ops.rope(iq, pos, ctx.compress_rope.inv_freq, ctx.compress_rope.attention_factor, inplace=True)
         iw = lin("index_weights", ix.weights_proj).float()  # its nI^-0.5 is in `index_scale`
         index = (lin("index_kv", ix.compressor.kv_proj), lin("index_gate", ix.compressor.gate_proj), iq, iw)
-    return Projected(q, kv, comp, index)
+    return kv, comp, index
 
 
 def finish(ctx: AttentionContext, w: Attention, out: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

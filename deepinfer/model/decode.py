@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.runtime.cache import LayerCache
-from deepinfer.model.attention import AttentionContext, Projected
+from deepinfer.model.attention import AttentionContext, project_inputs, project_keys, project_query
 from deepinfer.model.compressor import compress_decode
+from deepinfer.model.side_stream import branch, join
 from deepinfer.model.step_rows import StepRows
 from deepinfer.model.weights import Attention
 
@@ -30,23 +31,37 @@ class DecodeInputs:
     blocks: torch.Tensor  # [B, max_blocks] int64: block table (scratch-padded)
 
 
-def decode_core(ctx: AttentionContext, w: Attention, p: Projected, layer: LayerCache, rows: StepRows) -> torch.Tensor:
+def decode_attention(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor, layer: LayerCache,
+                     rows: StepRows, side=None) -> torch.Tensor:
+    """The attention of a decode step's rows x [B, H] at RoPE positions `pos` -> [B, heads, D]: the query's GEMM on
+    the current stream, the key side (cache writes, compressors, indexer) on `side` beside it (`side_stream.py`)."""
+    lin, q_res = project_inputs(ctx, w, x)
+    with branch(side):  # reads x, q_res and the stacked outputs, all held here until the join
+        indices = decode_keys(ctx, w, *project_keys(ctx, w, lin, q_res, pos), layer, rows)
+    q = project_query(ctx, w, q_res, pos)
+    join(side)
+    return ctx.ops.sparse_attention(q, layer.pool, indices, w.sinks, ctx.cfg.head_dim**-0.5)
+
+
+def decode_keys(ctx: AttentionContext, w: Attention, kv: torch.Tensor, comp, index, layer: LayerCache,
+                rows: StepRows) -> torch.Tensor:
+    """Write the rows' kv into the window ring and their compressors, pool what closes; -> the pool rows each row
+    attends [B, window + picks]."""
     cfg, ops, lay = ctx.cfg, ctx.ops, layer.layout
     indices = rows.attend(lay)
-    layer.pool[rows.window(lay)] = p.kv.to(layer.pool.dtype)
-    if p.comp is None:
-        return ops.sparse_attention(p.q, layer.pool, indices, w.sinks, cfg.head_dim**-0.5)
-    eps, crope, comp = cfg.rms_norm_eps, ctx.compress_rope, layer.compressor
-    compress_decode(ops, comp, w.compressor, rows, *p.comp, eps, crope)
-    cl = comp.layout
+    layer.pool[rows.window(lay)] = kv.to(layer.pool.dtype)
+    if comp is None:
+        return indices
+    eps, crope, store = cfg.rms_norm_eps, ctx.compress_rope, layer.compressor
+    compress_decode(ops, store, w.compressor, rows, *comp, eps, crope)
+    cl = store.layout
     if ctx.is_csa:
-        ikv, igate, iq, iw = p.index
+        ikv, igate, iq, iw = index
         idx = layer.indexer
         compress_decode(ops, idx, w.indexer.compressor, rows, ikv, igate, eps, crope)
         # [B, E]: each sequence's keys, read where they are stored (no gathered copy)
         scores = ops.indexer_scores(iq, idx.store, iw, ctx.index_scale, rows=rows.keys(idx.layout))
         picks = ops.indexer_topk(scores, rows.closed(cl.rate), cfg.index_topk)
-        indices = torch.cat([indices, rows.picked(cl, picks)], dim=1)
-    else:  # HCA: every closed entry, the same rows for every HCA layer of this geometry
-        indices = rows.get(("hca", lay.window, lay.ring, cl), lambda: torch.cat([indices, rows.visible(cl)], dim=1))
-    return ops.sparse_attention(p.q, layer.pool, indices, w.sinks, cfg.head_dim**-0.5)
+        return torch.cat([indices, rows.picked(cl, picks)], dim=1)
+    # HCA: every closed entry, the same rows for every HCA layer of this geometry
+    return rows.get(("hca", lay.window, lay.ring, cl), lambda: torch.cat([indices, rows.visible(cl)], dim=1))

@@ -9,7 +9,7 @@ token per sequence with static shapes (what the runtime graph captures).
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -17,7 +17,7 @@ from deepinfer.runtime.cache import PagedCache, SeqCache
 from deepinfer.config import HASH_MOE, SLIDING, ModelConfig
 from deepinfer.model.attention import AttentionContext, finish, prefill_core, project
 from deepinfer.model.compressor import RopeTables
-from deepinfer.model.decode import DecodeInputs, decode_core
+from deepinfer.model.decode import DecodeInputs, decode_attention
 from deepinfer.model.step_rows import StepRows
 from deepinfer.model.moe import moe
 from deepinfer.model.rollback import check_tentative
@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 
 class DeepseekV4:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, ops: OpTable, parallel: ModelParallel | None = None):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, ops: OpTable, parallel: ModelParallel | None = None,
+                 side: Any | None = None):
         """`parallel`: this rank's share (its heads and experts, and the sums over ranks) when the model runs on
-        several; `weights` are then that share."""
+        several; `weights` are then that share. `side`: the target's second stream (`Target.side_stream`), on which
+        a decode step runs each layer's independent halves (`side_stream.py`); None: one stream."""
         self.cfg, self.weights, self.ops = cfg, weights, ops
         self._attention_sum = parallel.attention_sum if parallel is not None else None
         self.expert_shard = self._experts = parallel.experts if parallel is not None else None
@@ -41,6 +43,7 @@ class DeepseekV4:
         # DSpark drafting reads the input streams of these layers (mean over the mHC copies), concatenated
         self.taps = cfg.dspark.target_layer_ids if weights.dspark is not None else ()
         device = weights.embed.device
+        self.side = side
         self.main_rope = main = RopeTables(inv_freq(cfg.rope_main, cfg.rope_head_dim).to(device),
                                            cfg.rope_main.attention_factor)  # sliding layers' (and the MTP layer's)
         comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device), cfg.rope_compress.attention_factor)
@@ -109,11 +112,11 @@ class DeepseekV4:
 
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn
-            p = project(ctx, w, x, rotated)
-            return self._gathered(finish(ctx, w, decode_core(ctx, w, p, cache.layers[layer], rows), rotated))
+            out = decode_attention(ctx, w, x, rotated, cache.layers[layer], rows, self.side)
+            return self._gathered(finish(ctx, w, out, rotated))
 
         taps = [] if hidden else None
-        streams = self.blocks(inp.ids, attend, taps)
+        streams = self.blocks(inp.ids, attend, taps, self.side)
         logits = self.head(streams, None)
         return (logits, self._for_drafter(streams, taps)) if hidden else logits
 
@@ -137,16 +140,17 @@ class DeepseekV4:
             self._experts(layer, indices[:, 0], x, weights, indices, cfg.swiglu_limit)
 
     def blocks(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
-               taps: list[torch.Tensor] | None = None) -> torch.Tensor:
+               taps: list[torch.Tensor] | None = None, side: Any | None = None) -> torch.Tensor:
         """Embed, then every layer: the final residual streams [N, hc, H]. `taps` (DSpark): gets the input streams
-        of the layers of `self.taps`, each averaged over the mHC copies [N, H], in layer order."""
+        of the layers of `self.taps`, each averaged over the mHC copies [N, H], in layer order. `side`: the MoE's
+        shared expert runs on it."""
         cfg = self.cfg
         emb = self.ops.embedding(ids, self.weights.embed)  # hc copies side by side (cat: a vectorized copy)
         streams = torch.cat([emb] * cfg.hc_mult, dim=1).view(emb.shape[0], cfg.hc_mult, -1)
         for i, layer in enumerate(self.weights.layers):
             if taps is not None and i in self.taps:
                 taps.append(streams.mean(dim=1))
-            streams = self.block(layer, streams, partial(attend, i), partial(self._moe, i, layer.moe, input_ids=ids))
+            streams = self.block(layer, streams, partial(attend, i), partial(self._moe, i, layer.moe, input_ids=ids, side=side))
         return streams
 
     def block(self, layer: Layer, streams: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
@@ -173,9 +177,10 @@ class DeepseekV4:
         h = ops.rms_norm(self.collapse_head(streams, hc), norm, cfg.rms_norm_eps)
         return ops.linear(h, w.lm_head).float()
 
-    def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor,
+             side: Any | None = None) -> torch.Tensor:
         cfg = self.cfg
         hashed = cfg.mlp_layer_types[layer] == HASH_MOE
         experts = None if self._experts is None else partial(self._experts, layer, input_ids)
         return moe(self.ops, w, x, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
-                   cfg.swiglu_limit, input_ids if hashed else None, experts)
+                   cfg.swiglu_limit, input_ids if hashed else None, experts, side)

@@ -39,6 +39,10 @@ class Backend:
         """The compile target whose kernels run (None: PyTorch references)."""
         return self.target.name if self.target.kernels else None
 
+    def side_stream(self) -> Any | None:
+        """A second stream on the device for the model's decode steps (None where the target has none)."""
+        return None if self.target.side_stream is None else self.target.side_stream(self.device)
+
     def memory(self) -> tuple[int, int] | None:
         """(free, total) bytes of the device, when the target can tell."""
         return None if self.target.memory is None else self.target.memory(self.device)

@@ -35,6 +35,17 @@ def test_nvidia_alias_runs_the_sm100_kernels_on_an_sm100_gpu(monkeypatch, tmp_pa
     assert launcher.compiler.target.name == "sm100"
 
 
+def test_a_second_stream_where_the_target_has_one(monkeypatch, tmp_path):
+    """NVIDIA targets give the model a second CUDA stream for a decode step's independent halves; the CPU targets
+    none (the model runs those halves in place)."""
+    from deepinfer.runtime.backend import select
+
+    assert select("cpu", tmp_path).side_stream() is None and select("c", tmp_path).side_stream() is None
+    for name in ("sm90", "sm100"):
+        assert backends.get(name).side_stream is not None
+    assert backends.get("ascend").side_stream is None
+
+
 def test_aliases_and_errors(monkeypatch):
     from deepinfer.runtime.backend import resolve
 
