@@ -144,7 +144,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     weights = ModelWeights.from_tensors(cfg, {k: v if getattr(v, "is_meta", False) else v.to(device)
                                               for k, v in tensors.items()})
     if comm is None:
-        model = DeepseekV4(cfg, weights, backend.ops, side=backend.side_stream())
+        model = DeepseekV4(cfg, weights, backend.ops, side=backend.side_stream() if env.second_stream else None)
     else:
         model = rank_model(cfg, weights, backend.ops, comm, placement, experts, eplb)
     del tensors, weights

@@ -24,6 +24,7 @@ class Env:
     swa_replay_tokens: int = 128  # DEEPINFER_SWA_REPLAY_TOKENS: tokens an approximate prefix hit prefills again
     nextn_decode: int | None = None  # DEEPINFER_USE_NEXTN_DECODE: draft tokens per step (unset: 5 with a drafter)
     mtp_varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-sized verification of the drafts
+    second_stream: bool = True  # DEEPINFER_SECOND_STREAM: 0 = a decode step on one stream (no side branches)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -60,9 +61,14 @@ class Env:
         if raw_varlen.strip().lower() not in _FLAGS:
             raise ConfigError(f"DEEPINFER_ENABLE_MTP_VARLEN={raw_varlen!r} is not valid; accepted: {', '.join(_FLAGS)} "
                               "(unset or empty: off)")
+        raw_second = environ.get("DEEPINFER_SECOND_STREAM") or "1"
+        if raw_second.strip().lower() not in _FLAGS:
+            raise ConfigError(f"DEEPINFER_SECOND_STREAM={raw_second!r} is not valid; accepted: {', '.join(_FLAGS)} "
+                              "(unset or empty: on where the target has one)")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
                    cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant],
-                   swa_replay_tokens=replay, nextn_decode=nextn, mtp_varlen=_FLAGS[raw_varlen.strip().lower()])
+                   swa_replay_tokens=replay, nextn_decode=nextn, mtp_varlen=_FLAGS[raw_varlen.strip().lower()],
+                   second_stream=_FLAGS[raw_second.strip().lower()])
 
 
 def check_writable_dir(path: Path, what: str) -> None:

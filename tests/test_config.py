@@ -66,3 +66,9 @@ def test_env_accelerator_is_validated():
     assert Env.read({}).accelerator is None
     with pytest.raises(ConfigError, match="DEEPINFER_ACCELERATOR='tpu'.*cpu, nvidia, ascend"):
         Env.read({"DEEPINFER_ACCELERATOR": "tpu"})
+
+
+def test_env_second_stream_is_validated():
+    assert Env.read({}).second_stream and not Env.read({"DEEPINFER_SECOND_STREAM": "off"}).second_stream
+    with pytest.raises(ConfigError, match="DEEPINFER_SECOND_STREAM='2' is not valid; accepted: 0, 1, false, true"):
+        Env.read({"DEEPINFER_SECOND_STREAM": "2"})
