@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
                         help="the batch-invariant kernels (both: off and on side by side, with the slowdown)")
     parser.add_argument("--overlap", choices=("off", "on", "both"), default="on",
-                        help="a decode step's second CUDA stream (deepinfer/model/side_stream.py; both: without it "
+                        help="a decode step's second CUDA stream (backends/nvidia/side_stream.py; both: without it "
                              "first, decode only)")
     args = parser.parse_args()
 
@@ -220,8 +220,8 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
     from deepinfer.runtime.graph import DecodeGraphs
 
     overlap = model.side is not None
-    mode = ("batch-invariant" if invariant else "default") + (", two streams" if overlap else ", one stream")
-    print(f"## {mode} kernels\n| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
+    mode = ("batch-invariant" if invariant else "default") + " kernels" + (", two streams" if overlap else ", one stream")
+    print(f"## {mode}\n| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
             cache, seqs = synthetic_cache(cfg, batch, context, dtype)

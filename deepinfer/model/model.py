@@ -150,7 +150,8 @@ class DeepseekV4:
         for i, layer in enumerate(self.weights.layers):
             if taps is not None and i in self.taps:
                 taps.append(streams.mean(dim=1))
-            streams = self.block(layer, streams, partial(attend, i), partial(self._moe, i, layer.moe, input_ids=ids, side=side))
+            ffn = partial(self._moe, i, layer.moe, input_ids=ids, side=side)
+            streams = self.block(layer, streams, partial(attend, i), ffn)
         return streams
 
     def block(self, layer: Layer, streams: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
