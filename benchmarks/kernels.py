@@ -70,8 +70,8 @@ def copy_bandwidth() -> float:
 def cases(t: int) -> dict:
     """label -> (op, args, bytes, flops) at V4-Flash shapes for t tokens; the args are each op's own `example`
     for its V4-Flash variant (the generator the kernel tests use)."""
-    from tilekernels.ops import (DECLARED, compress_pool, hc_post, hc_pre, linear, moe_experts, moe_gate, rms_norm,
-                                 rope, swiglu)
+    from tilekernels.ops import (DECLARED, compress_pool, hc_mid, hc_post, hc_pre, linear, moe_experts, moe_gate,
+                                 rms_norm, rope, swiglu)
 
     def ex(name, variant):
         return DECLARED[name].example(variant, t, "cuda")
@@ -85,6 +85,9 @@ def cases(t: int) -> dict:
         "hc_pre[4x4096]": ("hc_pre", ex("hc_pre", hc_pre.Variant(4, H, 20, "bfloat16")),
                            2 * t * 4 * H + 2 * t * H + 4 * 24 * 4 * H, 2 * t * 24 * 4 * H),
         "hc_post[4x4096]": ("hc_post", ex("hc_post", hc_post.Variant(4, H, "bfloat16")), 2 * t * 9 * H, 0),
+        # hc_post, then the next hc_pre (fused up to hc_mid.FUSED_ROWS rows): the post-block's bytes and the pre-block's
+        "hc_mid[4x4096]": ("hc_mid", ex("hc_mid", hc_mid.Variant(4, H, "bfloat16", hc_mid.PART)),
+                           2 * t * 9 * H + 2 * t * H + 4 * 24 * 4 * H, 2 * t * 24 * 4 * H),
     }
     for label, (slots, dim) in {"CSA 8x512": (8, D), "HCA 128x512": (128, D)}.items():  # one window per token
         pool = compress_pool.Variant(slots, dim, "bfloat16")

@@ -30,6 +30,7 @@ TOKEN_ARGS: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
     "compress_ring": ((3, 4), ()),
     "grouped_linear": ((0,), ()),
     "hc_head": ((0,), ()),
+    "hc_mid": ((0, 1, 2, 3), ()),
     "hc_post": ((0, 1, 2, 3), ()),
     "hc_pre": ((0,), ()),
     "linear": ((0,), ()),

@@ -34,7 +34,8 @@ class HeadAsPre:
 
 
 def collapse(ops: OpTable, streams: torch.Tensor, head: HeadAsPre, iters: int, hc_eps: float,
-             norm_eps: float) -> torch.Tensor:
+             norm_eps: float, norm: torch.Tensor | None = None) -> torch.Tensor:
     """streams [T, N, H] -> the HyperHead's collapse [T, H] in streams' dtype (`iters`: the layers' Sinkhorn
-    iterations, so that the kernels are theirs; the comb they produce is dropped)."""
-    return ops.hc_pre(streams, head.fn, head.base, head.scale, iters, hc_eps, norm_eps)[2]
+    iterations, so that the kernels are theirs; the comb they produce is dropped); `norm`: RMS-normalized with
+    that weight (the final norm) in the same kernel."""
+    return ops.hc_pre(streams, head.fn, head.base, head.scale, iters, hc_eps, norm_eps, norm)[2]

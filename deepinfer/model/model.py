@@ -57,10 +57,12 @@ class DeepseekV4:
             hcs.append(weights.dspark.hc_head)
         self._heads = {id(hc): HeadAsPre.of(hc) for hc in hcs}
 
-    def collapse_head(self, streams: torch.Tensor, hc: HyperConnection) -> torch.Tensor:
-        """The HyperHead collapse of `hc` (one of the model's heads) [T, N, H] -> [T, H]."""
+    def collapse_head(self, streams: torch.Tensor, hc: HyperConnection, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """The HyperHead collapse of `hc` (one of the model's heads) [T, N, H] -> [T, H]; `norm`: RMS-normalized with
+        that weight (the head's final norm) in the same kernel."""
         cfg = self.cfg
-        return collapse(self.ops, streams, self._heads[id(hc)], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        return collapse(self.ops, streams, self._heads[id(hc)], cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
+                        norm)
 
     @property
     def device(self) -> torch.device:
@@ -116,8 +118,10 @@ class DeepseekV4:
             return self._gathered(finish(ctx, w, out, rotated))
 
         taps = [] if hidden else None
-        streams = self.blocks(inp.ids, attend, taps, self.side)
-        logits = self.head(streams, None)
+        # the last layer's mHC post-block and the HyperHead's pre-block in one `hc_mid`: every row gets logits
+        head = (self._heads[id(self.weights.hc_head)], self.weights.norm)
+        streams, normed = self.blocks(inp.ids, attend, taps, self.side, head)
+        logits = self.logits(normed)
         return (logits, self._for_drafter(streams, taps)) if hidden else logits
 
     @staticmethod
@@ -140,43 +144,68 @@ class DeepseekV4:
             self._experts(layer, indices[:, 0], x, weights, indices, cfg.swiglu_limit)
 
     def blocks(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
-               taps: list[torch.Tensor] | None = None, side: Any | None = None) -> torch.Tensor:
+               taps: list[torch.Tensor] | None = None, side: Any | None = None,
+               head: tuple[HeadAsPre, torch.Tensor] | None = None) -> Any:
         """Embed, then every layer: the final residual streams [N, hc, H]. `taps` (DSpark): gets the input streams
         of the layers of `self.taps`, each averaged over the mHC copies [N, H], in layer order. `side`: the MoE's
-        shared expert runs on it."""
-        cfg = self.cfg
+        shared expert runs on it. `head`: a HyperHead laid out as a pre-block (`hyper_head.py`) and its final norm, run
+        with the last layer's post-block -> (streams, the head's normalized collapse [N, H])."""
+        cfg, layers = self.cfg, self.weights.layers
         emb = self.ops.embedding(ids, self.weights.embed)  # hc copies side by side (cat: a vectorized copy)
         streams = torch.cat([emb] * cfg.hc_mult, dim=1).view(emb.shape[0], cfg.hc_mult, -1)
-        for i, layer in enumerate(self.weights.layers):
+        mixes = None
+        for i, layer in enumerate(layers):
             if taps is not None and i in self.taps:
                 taps.append(streams.mean(dim=1))
             ffn = partial(self._moe, i, layer.moe, input_ids=ids, side=side)
-            streams = self.block(layer, streams, partial(attend, i), ffn)
+            if i + 1 == len(layers) and head is None:
+                return self.block(layer, streams, partial(attend, i), ffn, mixes)
+            if i + 1 == len(layers):
+                streams, (_, _, normed) = self.block(layer, streams, partial(attend, i), ffn, mixes, head)
+                return streams, normed
+            following = (layers[i + 1].attn_hc, layers[i + 1].input_norm)
+            streams, mixes = self.block(layer, streams, partial(attend, i), ffn, mixes, following)
         return streams
 
     def block(self, layer: Layer, streams: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-              ffn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """One V4 block on the residual streams: mHC collapse -> attention -> mHC mix, mHC collapse -> FFN -> mHC mix."""
-        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+              ffn: Callable[[torch.Tensor], torch.Tensor], mixes: tuple | None = None,
+              following: tuple[HyperConnection | HeadAsPre, torch.Tensor] | None = None) -> Any:
+        """One V4 block on the residual streams: mHC collapse -> norm -> attention -> mHC mix, mHC collapse -> norm ->
+        FFN -> mHC mix; each collapse with its norm in one kernel, each mix and the next collapse in one `hc_mid`
+        (decode rows: one kernel less). `mixes`: this block's first pre-block (post, comb, normalized collapse) when
+        the previous block computed it; `following`: the next sublayer's mHC and input norm (the next block's
+        attention, or a HyperHead and its final norm), whose pre-block then runs with this block's last mix ->
+        (streams, its mixes); without it -> streams."""
+        cfg, ops = self.cfg, self.ops
+        args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         hc = layer.attn_hc
-        post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        streams = ops.hc_post(streams, attend(ops.rms_norm(collapsed, layer.input_norm, eps)), post, comb)
+        post, comb, x = mixes or ops.hc_pre(streams, hc.fn, hc.base, hc.scale, *args, layer.input_norm)
+        out = attend(x)
         hc = layer.ffn_hc
-        post, comb, collapsed = ops.hc_pre(streams, hc.fn, hc.base, hc.scale, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        return ops.hc_post(streams, ffn(ops.rms_norm(collapsed, layer.post_attention_norm, eps)), post, comb)
+        streams, post, comb, x = ops.hc_mid(streams, out, post, comb, hc.fn, hc.base, hc.scale, *args,
+                                            layer.post_attention_norm)
+        out = ffn(x)
+        if following is None:
+            return ops.hc_post(streams, out, post, comb)
+        hc, norm = following
+        streams, *mixes = ops.hc_mid(streams, out, post, comb, hc.fn, hc.base, hc.scale, *args, norm)
+        return streams, tuple(mixes)
 
     def head(self, streams: torch.Tensor, logit_rows: torch.Tensor | None, hc: HyperConnection | None = None,
              norm: torch.Tensor | None = None) -> torch.Tensor:
         """The HyperHead collapse, the final norm and the LM head of `logit_rows` (every row when None): fp32
         logits. `hc`/`norm`: another head's collapse and norm (an MTP layer's) before the shared LM head."""
-        cfg, ops, w = self.cfg, self.ops, self.weights
+        cfg, w = self.cfg, self.weights
         hc, norm = hc or w.hc_head, w.norm if norm is None else norm
         if logit_rows is not None:
             streams = streams[logit_rows]
             if streams.shape[0] == 0:  # a prefill step that ends no prompt: no head (a kernel takes no empty grid)
                 return streams.new_zeros((0, cfg.vocab_size), dtype=torch.float32)
-        h = ops.rms_norm(self.collapse_head(streams, hc), norm, cfg.rms_norm_eps)
-        return ops.linear(h, w.lm_head).float()
+        return self.logits(self.collapse_head(streams, hc, norm))
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head of a HyperHead's normalized collapse [T, H] -> fp32 logits."""
+        return self.ops.linear(normed, self.weights.lm_head).float()
 
     def _moe(self, layer: int, w: MoE, x: torch.Tensor, input_ids: torch.Tensor,
              side: Any | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def flash_variants() -> dict:
     """op -> the variant its inputs are made for, at V4-Flash widths (hidden 4096, 64 heads of 512, 256
     experts top 6, hc 4, vocab 129280); the inputs come from each op's own `example`."""
-    from tilekernels.ops import (act_quant, compress_pool, hc_post, hc_pre, indexer_scores, linear, moe_experts,
+    from tilekernels.ops import (act_quant, compress_pool, hc_mid, hc_post, hc_pre, indexer_scores, linear, moe_experts,
                                  moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
     return {
@@ -30,6 +30,7 @@ def flash_variants() -> dict:
         "moe_experts": moe_experts.Variant(4096, 4096, 256, "bfloat16"),
         "hc_pre": hc_pre.Variant(4, 4096, 20, "bfloat16"),
         "hc_post": hc_post.Variant(4, 4096, "bfloat16"),
+        "hc_mid": hc_mid.Variant(4, 4096, "bfloat16", 128),  # fused up to 64 rows (8 tokens), then hc_post + hc_pre
         "sparse_attention": sparse_attention.Variant(64, 512, "bfloat16"),
         "compress_pool": compress_pool.Variant(128, 512, "bfloat16"),
         "indexer_scores": indexer_scores.Variant(64, 128, "bfloat16", False),

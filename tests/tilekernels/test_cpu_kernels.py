@@ -12,7 +12,7 @@ from codegen.driver import record_run
 from tilekernels import reference_table
 from tilekernels.errors import ShapeError
 from tilekernels.kernels import Recorder, kernel_table, table
-from tilekernels.ops import (DECLARED, act_quant, compress_pool, compress_ring, hc_post, hc_pre, indexer_scores, linear, moe_experts,
+from tilekernels.ops import (DECLARED, act_quant, compress_pool, compress_ring, hc_mid, hc_post, hc_pre, indexer_scores, linear, moe_experts,
                              moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
 
@@ -75,8 +75,13 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "hc_pre-ragged": ("hc_pre", hc_pre.Variant(3, 40, 3, F), 3),
     "hc_pre-split-ragged": ("hc_pre", hc_pre.Variant(3, 520, 3, F), 2),  # split K: 4 parts, the last masked
     "hc_pre-v4-flash": ("hc_pre", hc_pre.Variant(4, 4096, 3, F), 2),  # V4-Flash's width: 32 parts of 512 columns
+    "hc_pre-norm": ("hc_pre", hc_pre.Variant(4, 64, 20, F, norm=True), 3),  # the collapse RMS-normalized
+    "hc_pre-norm-ragged": ("hc_pre", hc_pre.Variant(2, 100, 3, F, norm=True), 2),  # chunks of 64: the last partial
     "hc_post": ("hc_post", hc_post.Variant(4, 64, F), 5),
     "hc_post-ragged": ("hc_post", hc_post.Variant(4, 100, F), 1),
+    "hc_mid": ("hc_mid", hc_mid.Variant(4, 64, F, 64), 5),  # fused: one part of the whole width
+    "hc_mid-parts": ("hc_mid", hc_mid.Variant(4, 384, F, 128), 3),  # fused: 3 parts of 128 columns
+    "hc_mid-unfused": ("hc_mid", hc_mid.Variant(2, 48, F, 0), 3),  # no fused form: hc_post, then hc_pre
     "sparse_attention": ("sparse_attention", sparse_attention.Variant(16, 32, F), 3),
     "sparse_attention-odd": ("sparse_attention", sparse_attention.Variant(5, 20, F), 2),
     # enough queries for a plan of one split: the `whole` kernel (the sink merged in the kernel, no combine)

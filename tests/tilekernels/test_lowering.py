@@ -14,7 +14,7 @@ import backends
 from codegen import Compiler
 from tilekernels.kernels import request
 from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, compress_ring, engram_gate, engram_lookup,
-                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mixes, hc_post, hc_pre, indexer_scores,
+                             fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mid, hc_mixes, hc_post, hc_pre, indexer_scores,
                              indexer_scores_fp4, linear, linear_fp8, moe_decode, moe_experts, moe_gate, rms_norm, rope,
                              sparse_attention, split_sum, swiglu)
 
@@ -36,6 +36,7 @@ CASES = {
     ("hc_pre", "hc_pre_split"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),  # sm90: hc_mixes_sm90's GEMM
     ("hc_pre", "hc_pre_finish"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
+    ("hc_mid", "hc_mid_post"): hc_mid.Variant(4, 4096, "bfloat16", 128),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "combine"): sparse_attention.Variant(64, 512, "bfloat16"),
     ("sparse_attention", "whole"): sparse_attention.Variant(64, 512, "bfloat16"),
@@ -70,6 +71,7 @@ ODD = {
     # K 120 in 3 parts of one 64-column step on sm90: a partial step and a part wholly past K (zero-filled loads)
     ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(3, 40, 20, "bfloat16", split=3),
     ("hc_post", "hc_post"): hc_post.Variant(4, 100, "bfloat16"),
+    ("hc_mid", "hc_mid_post"): hc_mid.Variant(2, 64, "bfloat16", 64),  # one part of the whole width
     ("sparse_attention", "split"): _ODD_ATTENTION,
     ("sparse_attention", "combine"): _ODD_ATTENTION,
     ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
@@ -96,6 +98,13 @@ ALL = ([(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.
 IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
        + [f"{c[0]}.{c[1]}-fp32" for c in FP32] + [f"{c[0]}.{c[1]}-keys" for c in KEYS]
        + [f"{c[0]}.{c[1]}-swapped" for c in SWAPPED] + [f"rope.rope-{label}" for label in INPLACE])
+
+
+# hc_pre's norm form (the collapse RMS-normalized in the finish): V4-Flash's width, and a ragged one (chunks of 512)
+NORMED = {"norm": hc_pre.Variant(4, 4096, 20, "bfloat16", split=32, norm=True),
+          "norm-ragged": hc_pre.Variant(3, 600, 20, "bfloat16", split=4, norm=True)}
+ALL += [(("hc_pre", "hc_pre_finish"), v) for v in NORMED.values()]
+IDS += [f"hc_pre.hc_pre_finish-{label}" for label in NORMED]
 
 
 # Kernels lowered elsewhere: the K-permuted FP4 expert kernels are sm90 bodies (tests/test_fp4_repacked.py lowers

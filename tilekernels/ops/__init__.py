@@ -16,6 +16,7 @@ OP_MODULES = (
     "grouped_linear",
     "hc_collapse",
     "hc_head",
+    "hc_mid",
     "hc_mixes",
     "hc_post",
     "hc_pre",

@@ -10,6 +10,7 @@ tensor-core GEMM over 64-token tiles (`hc_mixes_sm90`). (A finish running each t
 registers, the collapse by the whole CTA, measured slower on the H200: 0.22 against 0.14 ms for the pre-block at
 4096 tokens, 0.041 against 0.022 ms at one: the serial tail of a thread is the longer path.)"""
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -90,7 +91,8 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
     """The mixes kernel of `stage`: "split" the partial mixing dot products and sums of squares of tiles
     (token, part) over each part's contiguous chunks into fp32 workspaces [M, split * MIX] and [M, split];
     "finish" per token: the partials summed in part order, then the tail, storing with `collapse` the streams
-    collapsed with the pre mix just computed (`hc_pre`) instead of the pre mix itself (`hc_mixes`)."""
+    collapsed with the pre mix just computed (`hc_pre`) instead of the pre mix itself (`hc_mixes`); with `v.norm`
+    (`hc_pre`'s norm form) that collapse RMS-normalized with the weight Wn [H] at `norm_eps`, as `rms_norm`."""
     T = P.T
     N, H, dtype, SP = v.hc, v.hidden, v.dtype, v.split
     KN, MIX = N * H, (2 + N) * N
@@ -100,6 +102,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
     MASKED = KN % BC != 0 or CPP * SP != NC  # a partial last chunk or chunks past the last: loads masked to 0
     BH = min(cfg.chunk, H)  # collapse columns per step; a partial last step stores predicated
     NH = -(-H // BH)
+    NORM = collapse and getattr(v, "norm", False)  # the collapse stored RMS-normalized (`hc_pre`'s norm form)
     M = T.dynamic("M")
 
     def staged(s_io, c, j):  # the chunk's stream columns staged in s_io (zero-filled past the end)
@@ -158,7 +161,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
 
     @T.macro
     def tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, alt_io, red_io, o_io, Scale, Base, Pre, Post, Comb,
-             Out, hc_eps, norm_eps):
+             Out, Wn, hc_eps, norm_eps):
         """From a token's mixing dot products acc [MIX] and sum of squares ss [1]: normalize, the sigmoids, the comb
         softmax and Sinkhorn, then store post, comb and pre (or the streams s_io collapsed with pre)."""
         with P.vector(cfg.threads):
@@ -191,6 +194,33 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
         T.copy(comb_io, Comb[row, 0 : N * N])
         if not collapse:
             T.copy(pre_io, Pre[row, 0:N])
+        elif NORM:  # the whole collapsed row in o_io, then its RMSNorm (rms_norm's arithmetic) stored chunk by chunk
+            for hb in T.serial(NH):
+                with P.vector(cfg.threads):
+                    for j in T.Parallel(BH):
+                        if H % BH == 0:
+                            o_io[hb * BH + j] = T.cast(weighted(pre_io, s_io, hb * BH + j), dtype)
+                        else:  # past H: 0, adding nothing to the sum of squares
+                            o_io[hb * BH + j] = T.cast(T.if_then_else(
+                                hb * BH + j < H, weighted(pre_io, s_io, T.min(hb * BH + j, H - 1)), 0.0), dtype)
+            with P.vector(cfg.threads):
+                xf = P.alloc_reg((NH * BH,), "float32")
+                sq = P.alloc_reg((NH * BH,), "float32")
+                tot = P.alloc_reg((1,), "float32")
+                for j in T.Parallel(NH * BH):
+                    xf[j] = T.cast(o_io[j], "float32")
+                    sq[j] = xf[j] * xf[j]
+                T.reduce_sum(sq, tot, dim=0)
+                for j in T.Parallel(NH * BH):
+                    o_io[j] = T.cast(xf[j] * T.rsqrt(tot[0] / H + norm_eps) * Wn[T.min(j, H - 1)], dtype)
+            for hb in T.serial(NH):
+                if H % BH == 0:
+                    T.copy(o_io[hb * BH : (hb + 1) * BH], Out[row, hb * BH : (hb + 1) * BH])
+                else:
+                    with P.vector(cfg.threads):
+                        for j in T.Parallel(BH):
+                            if hb * BH + j < H:
+                                Out[row, hb * BH + j] = o_io[hb * BH + j]
         else:
             for hb in T.serial(NH):
                 if H % BH == 0:
@@ -244,7 +274,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                 T.copy(q_io, Sq[t // SP, t % SP : t % SP + 1])
 
     @T.macro
-    def finish(S, Dots, Sq, Base, Scale, Pre, Post, Comb, Out, hc_eps, norm_eps):
+    def finish(S, Dots, Sq, Base, Scale, Pre, Post, Comb, Out, Wn, hc_eps, norm_eps):
         with P.kernel(M, cfg.threads) as pid:
             s_io = P.alloc_io((KN,), dtype) if collapse else None
             d_io = P.alloc_io((SP * MIX,), "float32")
@@ -255,7 +285,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
             comb_io = P.alloc_io((N * N,), "float32")
             alt_io = P.alloc_io((N * N,), "float32")
             red_io = P.alloc_io((N,), "float32")
-            o_io = P.alloc_io((BH,), dtype) if collapse else None
+            o_io = P.alloc_io((NH * BH if NORM else BH,), dtype) if collapse else None
             acc = P.alloc_vec((MIX,), "float32")
             ss = P.alloc_vec((1,), "float32")
             for row in P.tiles(M, pid):
@@ -268,25 +298,31 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                         acc[o] = sum_parts(d_io, o, MIX)
                     ss[0] = sum_parts(q_io, 0, 1)
                 tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, alt_io, red_io, o_io, Scale, Base, Pre, Post,
-                     Comb, Out, hc_eps, norm_eps)
+                     Comb, Out, Wn, hc_eps, norm_eps)
 
     Tn, F32 = T.Tensor, "float32"
     if stage == "split":
         @T.prim_func
         def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32)):
             partials(S, Fn, Dots, Sq)
+    elif stage == "finish" and NORM:
+        @T.prim_func
+        def kernel(S: Tn((M, KN), dtype), Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32), Base: Tn((MIX,), F32),
+                   Scale: Tn((3,), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype),
+                   Wn: Tn((H,), F32), hc_eps: T.float32, norm_eps: T.float32):
+            finish(S, Dots, Sq, Base, Scale, None, Post, Comb, Out, Wn, hc_eps, norm_eps)
     elif stage == "finish" and collapse:
         @T.prim_func
         def kernel(S: Tn((M, KN), dtype), Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32), Base: Tn((MIX,), F32),
                    Scale: Tn((3,), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype),
                    hc_eps: T.float32, norm_eps: T.float32):
-            finish(S, Dots, Sq, Base, Scale, None, Post, Comb, Out, hc_eps, norm_eps)
+            finish(S, Dots, Sq, Base, Scale, None, Post, Comb, Out, None, hc_eps, norm_eps)
     elif stage == "finish":
         @T.prim_func
         def kernel(Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
                    Pre: Tn((M, N), F32), Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), hc_eps: T.float32,
                    norm_eps: T.float32):
-            finish(None, Dots, Sq, Base, Scale, Pre, Post, Comb, None, hc_eps, norm_eps)
+            finish(None, Dots, Sq, Base, Scale, Pre, Post, Comb, None, None, hc_eps, norm_eps)
     else:
         raise ValueError(f"unknown mixes stage {stage!r} (split, finish)")
     return kernel
@@ -302,7 +338,8 @@ def kernels(name: str, collapse: bool) -> tuple[Kernel, ...]:
 
 
 def launch_mixes(launch, name: str, collapse: bool, v, streams, fn, base, scale, outs, hc_eps, norm_eps) -> None:
-    """Launch `name`'s mixes for variant `v`; `outs` the fp32 mixes and collapse outputs in kernel order. Between
+    """Launch `name`'s mixes for variant `v`; `outs` the fp32 mixes and collapse outputs in kernel order (then the
+    norm weight, for a norm variant). Between
     the two kernels: fp32 workspaces of partial dot products [M, split, MIX] and sums of squares [M, split] on the
     streams' device."""
     m, n, h = streams.shape
@@ -311,7 +348,8 @@ def launch_mixes(launch, name: str, collapse: bool, v, streams, fn, base, scale,
     mix = (2 + n) * n
     dots = torch.empty(m, v.split, mix, dtype=torch.float32, device=streams.device)
     sq = torch.empty(m, v.split, dtype=torch.float32, device=streams.device)
-    launch(name + "_split", v)(s, fn.float().contiguous(), dots.view(m, v.split * mix), sq)
+    split = dataclasses.replace(v, norm=False) if getattr(v, "norm", False) else v  # the partials know no norm
+    launch(name + "_split", split)(s, fn.float().contiguous(), dots.view(m, v.split * mix), sq)
     launch(name + "_finish", v)(*((s,) if collapse else ()), dots.view(m, v.split * mix), sq, base, scale,
                                 *outs, *eps)
 

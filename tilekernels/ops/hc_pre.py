@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import OpDecl
-from tilekernels.ops import hc_collapse, hc_mixes
+from tilekernels.op import OpDecl, require
+from tilekernels.ops import hc_collapse, hc_mixes, rms_norm
 
 
 def reference(
@@ -18,12 +18,15 @@ def reference(
     sinkhorn_iters: int,
     hc_eps: float,
     norm_eps: float,
+    norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, N, H], fn [(2+N)N, N*H], base [(2+N)N], scale [3] ->
     (post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, H] in streams' dtype): `hc_mixes`, then
-    `hc_collapse` with the pre mix just computed."""
+    `hc_collapse` with the pre mix just computed. `norm` [H] (fp32): the collapse comes out RMS-normalized with
+    that weight at `norm_eps` (`rms_norm`: the sublayer's input norm, in the same kernel)."""
     pre, post, comb = hc_mixes.reference(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return post, comb, hc_collapse.reference(streams, pre)
+    collapsed = hc_collapse.reference(streams, pre)
+    return post, comb, collapsed if norm is None else rms_norm.reference(collapsed, norm, norm_eps)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Variant:
     iters: int  # Sinkhorn iterations
     dtype: str
     split: int = 1  # column parts per token of the partials kernel (split K, `hc_mixes.split_for`)
+    norm: bool = False  # the finish stores the collapse RMS-normalized (the partials kernel takes it False)
 
 
 # hc_mixes' kernels, storing the collapse instead of pre: "hc_pre_split" partial mixing products of (token, part)
@@ -41,25 +45,38 @@ class Variant:
 KERNELS = hc_mixes.kernels("hc_pre", collapse=True)
 
 
-def variant(streams: torch.Tensor, sinkhorn_iters: int) -> Variant:
+def variant(streams: torch.Tensor, sinkhorn_iters: int, norm: bool = False) -> Variant:
     """The kernel variant `run` launches for these inputs (no tensor values are read: meta tensors work)."""
     _, n, h = streams.shape
     return Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=dtypes.name(streams.dtype),
-                   split=hc_mixes.split_for(n * h))
+                   split=hc_mixes.split_for(n * h), norm=norm)
 
 
-def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+def check_norm(op: str, h: int, norm: torch.Tensor | None) -> tuple:
+    """The norm weight as the finishing kernel's trailing argument: () without one."""
+    if norm is None:
+        return ()
+    require(norm.shape == (h,), op, f"norm must be [{h}] (the hidden size), got {list(norm.shape)}")
+    return (norm.float().contiguous(),)
+
+
+def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None):
     m, n, h = streams.shape
-    v = variant(streams, sinkhorn_iters)
+    v = variant(streams, sinkhorn_iters, norm is not None)
     hc_mixes.check("hc_pre", streams, fn, base, scale, sinkhorn_iters)
     post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
     out = torch.empty(m, h, dtype=streams.dtype, device=streams.device)
-    hc_mixes.launch_mixes(launch, "hc_pre", True, v, streams, fn, base, scale, (post, comb, out), hc_eps, norm_eps)
+    outs = (post, comb, out, *check_norm("hc_pre", h, norm))
+    hc_mixes.launch_mixes(launch, "hc_pre", True, v, streams, fn, base, scale, outs, hc_eps, norm_eps)
     return post, comb.view(m, n, n), out
 
 
-example = hc_mixes.example  # the same arguments: streams, fn, base, scale, iterations, hc_eps, norm_eps
+def example(v: Variant, rows: int, device) -> tuple:
+    """hc_mixes' arguments (streams, fn, base, scale, iterations, hc_eps, norm_eps), then a norm weight for a norm
+    variant."""
+    args = hc_mixes.example(v, rows, device)
+    return (*args, 1 + 0.1 * torch.randn(v.hidden, device=device)) if v.norm else args
 
 
 OP = OpDecl(
