@@ -103,6 +103,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
     BH = min(cfg.chunk, H)  # collapse columns per step; a partial last step stores predicated
     NH = -(-H // BH)
     NORM = collapse and getattr(v, "norm", False)  # the collapse stored RMS-normalized (`hc_pre`'s norm form)
+    NP = P.padded(NH * BH, cfg.threads)  # the norm's register width
     M = T.dynamic("M")
 
     def staged(s_io, c, j):  # the chunk's stream columns staged in s_io (zero-filled past the end)
@@ -203,16 +204,17 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                         else:  # past H: 0, adding nothing to the sum of squares
                             o_io[hb * BH + j] = T.cast(T.if_then_else(
                                 hb * BH + j < H, weighted(pre_io, s_io, T.min(hb * BH + j, H - 1)), 0.0), dtype)
-            with P.vector(cfg.threads):
-                xf = P.alloc_reg((NH * BH,), "float32")
-                sq = P.alloc_reg((NH * BH,), "float32")
+            with P.vector(cfg.threads):  # over the row padded to the threads (layout inference): 0 past it
+                xf = P.alloc_reg((NP,), "float32")
+                sq = P.alloc_reg((NP,), "float32")
                 tot = P.alloc_reg((1,), "float32")
-                for j in T.Parallel(NH * BH):
-                    xf[j] = T.cast(o_io[j], "float32")
+                for j in T.Parallel(NP):
+                    xf[j] = T.if_then_else(j < NH * BH, T.cast(o_io[T.min(j, NH * BH - 1)], "float32"), 0.0)
                     sq[j] = xf[j] * xf[j]
                 T.reduce_sum(sq, tot, dim=0)
-                for j in T.Parallel(NH * BH):
-                    o_io[j] = T.cast(xf[j] * T.rsqrt(tot[0] / H + norm_eps) * Wn[T.min(j, H - 1)], dtype)
+                for j in T.Parallel(NP):
+                    if j < NH * BH:
+                        o_io[j] = T.cast(xf[j] * T.rsqrt(tot[0] / H + norm_eps) * Wn[T.min(j, H - 1)], dtype)
             for hb in T.serial(NH):
                 if H % BH == 0:
                     T.copy(o_io[hb * BH : (hb + 1) * BH], Out[row, hb * BH : (hb + 1) * BH])
