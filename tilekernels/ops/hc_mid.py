@@ -144,20 +144,14 @@ def run(launch, streams, out, post, comb, fn, base, scale, sinkhorn_iters, hc_ep
         return (mixed, *hc_pre.run(launch.op("hc_pre"), mixed, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
                                    norm))
     split, mix = h // v.part, (2 + n) * n
-    dev = streams.device
-    y = torch.empty(m, n * h, dtype=streams.dtype, device=dev)
-    dots = torch.empty(m, split * mix, dtype=torch.float32, device=dev)
-    sq = torch.empty(m, split, dtype=torch.float32, device=dev)
+    y = torch.empty(m, n * h, dtype=streams.dtype, device=streams.device)
+    dots = torch.empty(m, split * mix, dtype=torch.float32, device=streams.device)
+    sq = torch.empty(m, split, dtype=torch.float32, device=streams.device)
     launch("hc_mid_post", v)(streams.reshape(m, n * h).contiguous(), out.contiguous(), post.float().contiguous(),
                              comb.reshape(m, n * n).float().contiguous(), fn.float().contiguous(), y, dots, sq)
-    post2 = torch.empty(m, n, dtype=torch.float32, device=dev)
-    comb2 = torch.empty(m, n * n, dtype=torch.float32, device=dev)
-    collapsed = torch.empty(m, h, dtype=streams.dtype, device=dev)
     finish = hc_pre.Variant(hc=n, hidden=h, iters=sinkhorn_iters, dtype=v.dtype, split=split, norm=norm is not None)
-    launch.op("hc_pre")("hc_pre_finish", finish)(y, dots, sq, base.float().contiguous(), scale.float().contiguous(),
-                                                 post2, comb2, collapsed, *hc_pre.check_norm("hc_mid", h, norm),
-                                                 float(hc_eps), float(norm_eps))
-    return y.view(m, n, h), post2, comb2.view(m, n, n), collapsed
+    return (y.view(m, n, h), *hc_pre.finish(launch.op("hc_pre"), finish, y, dots, sq, base, scale, hc_eps, norm_eps,
+                                             norm, "hc_mid"))
 
 
 def example(v: Variant, rows: int, device) -> tuple:

@@ -5,7 +5,7 @@ with its own pre; V4.1's "single pass" collapses each sublayer's input with the 
 The kernel bodies here are also `hc_pre`'s: `mixes_body(..., collapse=True)` stores the collapsed streams
 instead of the pre mix. All math in fp32. Two kernels at every row count (split K): tiles (token, part) write partial
 mixing products and sums of squares to fp32 workspaces, and a finishing kernel per token sums them in part order
-(deterministic) and runs the tail (`split_for`, `launch_mixes`). On sm_90a the partials stage of bf16 streams is a
+(deterministic) and runs the tail (`split_for`, `partials`). On sm_90a the partials stage of bf16 streams is a
 tensor-core GEMM over 64-token tiles (`hc_mixes_sm90`). (A finish running each token's tail in one thread's
 registers, the collapse by the whole CTA, measured slower on the H200: 0.22 against 0.14 ms for the pre-block at
 4096 tokens, 0.041 against 0.022 ms at one: the serial tail of a thread is the longer path.)"""
@@ -339,21 +339,15 @@ def kernels(name: str, collapse: bool) -> tuple[Kernel, ...]:
                          configs=FINISH_CONFIGS)
 
 
-def launch_mixes(launch, name: str, collapse: bool, v, streams, fn, base, scale, outs, hc_eps, norm_eps) -> None:
-    """Launch `name`'s mixes for variant `v`; `outs` the fp32 mixes and collapse outputs in kernel order (then the
-    norm weight, for a norm variant). Between
-    the two kernels: fp32 workspaces of partial dot products [M, split, MIX] and sums of squares [M, split] on the
-    streams' device."""
-    m, n, h = streams.shape
-    s = streams.reshape(m, n * h).contiguous()
-    base, scale, eps = base.float().contiguous(), scale.float().contiguous(), (float(hc_eps), float(norm_eps))
-    mix = (2 + n) * n
-    dots = torch.empty(m, v.split, mix, dtype=torch.float32, device=streams.device)
-    sq = torch.empty(m, v.split, dtype=torch.float32, device=streams.device)
+def partials(launch, name: str, v, s: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`name`_split for variant `v` on the streams s [M, N*H]: the fp32 workspaces of partial dot products
+    [M, split * MIX] and sums of squares [M, split] that the finishing kernel reads."""
+    m, mix = s.shape[0], (2 + v.hc) * v.hc
+    dots = torch.empty(m, v.split * mix, dtype=torch.float32, device=s.device)
+    sq = torch.empty(m, v.split, dtype=torch.float32, device=s.device)
     split = dataclasses.replace(v, norm=False) if getattr(v, "norm", False) else v  # the partials know no norm
-    launch(name + "_split", split)(s, fn.float().contiguous(), dots.view(m, v.split * mix), sq)
-    launch(name + "_finish", v)(*((s,) if collapse else ()), dots.view(m, v.split * mix), sq, base, scale,
-                                *outs, *eps)
+    launch(name + "_split", split)(s, fn.float().contiguous(), dots, sq)
+    return dots, sq
 
 
 KERNELS = kernels("hc_mixes", collapse=False)
@@ -379,8 +373,10 @@ def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
     pre = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
-    launch_mixes(launch, "hc_mixes", False, variant(streams, sinkhorn_iters), streams, fn, base, scale,
-                 (pre, post, comb), hc_eps, norm_eps)
+    v = variant(streams, sinkhorn_iters)
+    dots, sq = partials(launch, "hc_mixes", v, streams.reshape(m, n * h).contiguous(), fn)
+    launch("hc_mixes_finish", v)(dots, sq, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
+                                 float(hc_eps), float(norm_eps))
     return pre, post, comb.view(m, n, n)
 
 

@@ -52,24 +52,27 @@ def variant(streams: torch.Tensor, sinkhorn_iters: int, norm: bool = False) -> V
                    split=hc_mixes.split_for(n * h), norm=norm)
 
 
-def check_norm(op: str, h: int, norm: torch.Tensor | None) -> tuple:
-    """The norm weight as the finishing kernel's trailing argument: () without one."""
-    if norm is None:
-        return ()
-    require(norm.shape == (h,), op, f"norm must be [{h}] (the hidden size), got {list(norm.shape)}")
-    return (norm.float().contiguous(),)
+def finish(launch, v: Variant, s, dots, sq, base, scale, hc_eps, norm_eps, norm=None, op: str = "hc_pre"):
+    """The finishing kernel of variant `v` on streams s [M, N*H] and their partials (`hc_mixes.partials`, or
+    `hc_mid`'s post-block) -> (post [M, N], comb [M, N, N], collapsed [M, H], normalized with `norm` when given)."""
+    m, h, n = s.shape[0], v.hidden, v.hc
+    require(norm is None or norm.shape == (h,), op, f"norm must be [{h}] (the hidden size), got "
+            f"{None if norm is None else list(norm.shape)}")
+    post = torch.empty(m, n, dtype=torch.float32, device=s.device)
+    comb = torch.empty(m, n * n, dtype=torch.float32, device=s.device)
+    out = torch.empty(m, h, dtype=s.dtype, device=s.device)
+    weight = () if norm is None else (norm.float().contiguous(),)
+    launch("hc_pre_finish", v)(s, dots, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
+                               *weight, float(hc_eps), float(norm_eps))
+    return post, comb.view(m, n, n), out
 
 
 def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None):
     m, n, h = streams.shape
     v = variant(streams, sinkhorn_iters, norm is not None)
     hc_mixes.check("hc_pre", streams, fn, base, scale, sinkhorn_iters)
-    post = torch.empty(m, n, dtype=torch.float32, device=streams.device)
-    comb = torch.empty(m, n * n, dtype=torch.float32, device=streams.device)
-    out = torch.empty(m, h, dtype=streams.dtype, device=streams.device)
-    outs = (post, comb, out, *check_norm("hc_pre", h, norm))
-    hc_mixes.launch_mixes(launch, "hc_pre", True, v, streams, fn, base, scale, outs, hc_eps, norm_eps)
-    return post, comb.view(m, n, n), out
+    s = streams.reshape(m, n * h).contiguous()
+    return finish(launch, v, s, *hc_mixes.partials(launch, "hc_pre", v, s, fn), base, scale, hc_eps, norm_eps, norm)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
