@@ -31,6 +31,7 @@ class Traits:
     reg: str  # temporaries inside one vector region: "fragment" | "local"
     vector_region: bool  # vector code must sit in an explicit SIMT region (Ascend `T.SimtVF`)
     vector_halves: bool  # an accumulator tile reaches the vector units split in two halves (Ascend AIV pair)
+    dependent_launch: bool = False  # every kernel waits on its predecessor in-kernel (CUDA PDL: `tl.dependent_launch`)
 
 
 @dataclass

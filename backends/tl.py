@@ -85,6 +85,32 @@ def check_warnings(text: str) -> None:
         raise RuntimeError("TileLang reports a buffer read before it is written (an op was dropped?):\n" + text.strip())
 
 
+def dependent_launch(func: Any) -> Any:
+    """`func` with CUDA's programmatic dependent launch: the kernel's first statements wait for the kernels before
+    it in the stream to finish (`griddepcontrol.wait`), then let the next kernel's CTAs start (`launch_dependents`).
+    TileLang marks such a kernel, and its runtime launches it with programmatic stream serialization, so in a chain
+    of kernels (a decode step's graph) each one's launch and set-up overlap the end of the one before, while no
+    memory access moves ahead of the wait: the order of reads and writes between kernels is the stream's, as
+    without it. A kernel launched without the attribute (PyTorch's) waits for the whole kernel before it as usual."""
+    tilelang()
+    from tilelang.cuda.language.pdl import pdl_sync, pdl_trigger
+    from tvm import tirx
+
+    def post(stmt):
+        if isinstance(stmt, tirx.SBlock) and stmt.name_hint == "tilelang_root":
+            body = tirx.SeqStmt([tirx.Evaluate(pdl_sync()), tirx.Evaluate(pdl_trigger()), stmt.body])
+            return tirx.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                               stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+        return None
+
+    found = []
+    tirx.stmt_functor.post_order_visit(
+        func.body, lambda s: found.append(s) if isinstance(s, tirx.SBlock) and s.name_hint == "tilelang_root" else None)
+    if len(found) != 1:
+        raise ValueError(f"dependent_launch: expected one kernel frame (`tilelang_root`), found {len(found)}")
+    return func.with_body(tirx.stmt_functor.ir_transform(func.body, None, post, ["tirx.SBlock"]))
+
+
 def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, source_name: str,
           library: bool, execution_backend: str = "tvm_ffi", cpu: bool = False) -> dict[str, Path]:
     """The one lowering of a kernel, and everything made from that one result: its device source (CUDA, AscendC

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from backends import tl
 from codegen import Compiler, Request
 from tilekernels.lang import Facade
 from tilekernels.op import OpTable
@@ -20,7 +21,8 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
     kernel = DECLARED[op_name].kernel(kernel_name)
 
     def build(target):
-        return kernel.body_for(target.name, variant)(Facade(target.traits), variant, kernel.config(target.name))
+        func = kernel.body_for(target.name, variant)(Facade(target.traits), variant, kernel.config(target.name))
+        return tl.dependent_launch(func) if target.traits.dependent_launch else func
 
     def pass_configs(target) -> dict:
         return dict(getattr(kernel.config(target.name), "pass_configs", None) or {})

@@ -8,7 +8,7 @@ from backends.base import Target, Traits
 from backends.nvidia.stages import NvidiaRuntime, cuda_stages, toolchain
 
 _GRID = dict(dialect="tilelang.cuda.language", launch="grid", cores=0, io_scope="shared.dyn", operand_scope="shared.dyn",
-             vec="fragment", reg="fragment", vector_region=False, vector_halves=False)
+             vec="fragment", reg="fragment", vector_region=False, vector_halves=False, dependent_launch=True)
 _PASS_CONFIGS: dict = {}
 
 

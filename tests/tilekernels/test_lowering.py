@@ -180,13 +180,29 @@ def cuda_targets(case: tuple, variant) -> tuple[str, ...]:
     return ("sm90",) if ODD.get(case) == variant else ("sm90", "sm100")
 
 
+def waits_first(source: str) -> bool:
+    """Every kernel of a CUDA source waits for the kernels before it (`cudaGridDependencySynchronize`, CUDA's
+    programmatic dependent launch: `backends.tl.dependent_launch`) before it touches global memory: before its
+    first use of a pointer parameter and its first TMA load (a tensor map itself is a kernel parameter)."""
+    kernels = list(re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\) )?\w+\(([^)]*)\) \{", source))
+    for m in kernels:
+        body = source[m.end():]
+        sync = body.find("cudaGridDependencySynchronize();")
+        pointers = [p.split()[-1].lstrip("*") for p in m.group(1).split(",") if "*" in p and "CUtensorMap" not in p]
+        uses = [u.start() for p in pointers for u in [re.search(rf"\b{re.escape(p)}\b", body)] if u]
+        uses += [i for i in [body.find("tma_load")] if i >= 0]
+        if sync < 0 or any(u < sync for u in uses):
+            return False
+    return bool(kernels)
+
+
 @pytest.mark.parametrize("case, variant", ALL, ids=IDS)
 def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
     for name in cuda_targets(case, variant):
         art = Compiler(source_only(name), cache).get(request(*case, variant))
         source = art.file("cuda").read_text()
         cubin = art.file("cubin")
-        assert "__global__" in source
+        assert "__global__" in source and waits_first(source), f"{name}: {case} reads before its dependency wait"
         assert cubin is not None and cubin.read_bytes()[:4] == b"\x7fELF", f"{name}: no cubin for {case}"
         if case == ("linear", "gemm") and variant == CASES[case]:  # the GEMM uses each architecture's tensor-core instructions
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
@@ -217,7 +233,21 @@ def test_ascend_source_without_traps(case, variant, cache):
     group and scale format); the odd widths of every config's plan: tests/compile/test_every_config_lowers.py."""
     art = Compiler(backends.get("ascend"), cache).get(request(*case, variant))
     source = art.file("ascend").read_text()
-    assert "__global__" in source and "asc_" in source
+    assert "__global__" in source and "asc_" in source and "GridDependency" not in source
     assert not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source), "a 2-D launch leaked into the NPU source"
     if backends.ascend.bisheng_path() is None:
         assert art.file("binary") is None and "bisheng" in art.meta["notes"]["binary"]
+
+
+def test_dependent_launch_only_where_the_target_asks():
+    """CUDA targets lower every kernel with the dependency wait first; without the trait the same body has none
+    (and the check above would fail on it); the other targets' traits do not ask for it."""
+    from backends import tl
+
+    target = source_only("sm90")
+    plain = dataclasses.replace(target, traits=dataclasses.replace(target.traits, dependent_launch=False))
+    req = request("rms_norm", "rms_norm", CASES[("rms_norm", "rms_norm")])
+    assert waits_first(tl.lower_source(req.build(target), target))
+    assert not waits_first(tl.lower_source(req.build(plain), plain))
+    assert {n: backends.get(n).traits.dependent_launch for n in backends.COMPILE_TARGETS} == {
+        n: backends.get(n).family == "nvidia" for n in backends.COMPILE_TARGETS}
