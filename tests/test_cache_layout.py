@@ -85,8 +85,12 @@ def test_row_methods_give_the_old_rows(name):
             entry = torch.arange(blocks.shape[1] * per_block).view(1, -1).expand(b, -1)
             assert torch.equal(cl.entry_rows(blocks, entry), old_rows(blocks, entry))
             assert torch.equal(cl.closed(pos), (pos + 1) // comp.rate)
-            s, w = cl.buffer_index(slots, pos)
-            assert torch.equal(w, pos % cl.buffer_rows) and s is slots and cl.buffer_rows == (2 if cl.overlap else 1) * cl.rate
+            assert cl.buffer_rows == (2 if cl.overlap else 1) * cl.rate
+            rings = comp.buf_kv.clone()  # the flat row is the ring place [slot, position % buffer_rows]
+            rings.view(-1, rings.shape[-1])[cl.buffer_row(slots, pos)] = 1.0
+            expect = comp.buf_kv.clone()
+            expect[slots, pos % cl.buffer_rows] = 1.0
+            assert torch.equal(rings, expect)
             # entry rows hit the places the old per-block entries view [blocks + 1, per_block, d] indexed
             probe = comp.store.clone()
             probe[cl.entry_rows(blocks, entry)] = 1.0

@@ -118,12 +118,13 @@ def compress_decode(
     slots, positions = rows.slots, rows.positions
     rate, ring = lay.rate, lay.buffer_rows
     entry = rows.closing_entry(rate)  # the entry that closes now (where one closes)
-    # the buffer place and the ring rows of the row's window: made once per step for every compressor of this geometry
+    # the buffer place (a row of the rings seen as [slots * ring, width]) and the ring rows of the row's window: made
+    # once per step for every compressor of this geometry; the writes are index_copy_ (~0.5 us under index_put_ each)
     at, ring_rows = rows.get(("ring", rate, ring), lambda: (
-        lay.buffer_index(slots, positions),
+        lay.buffer_row(slots, positions),
         ((positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)) % ring))
-    comp.buf_kv[at] = kv.to(comp.buf_kv.dtype)
-    comp.buf_gate[at] = gate.to(comp.buf_gate.dtype)
+    comp.buf_kv.view(-1, comp.buf_kv.shape[-1]).index_copy_(0, at, kv.to(comp.buf_kv.dtype))
+    comp.buf_gate.view(-1, comp.buf_gate.shape[-1]).index_copy_(0, at, gate.to(comp.buf_gate.dtype))
     if (2 if comp.overlap else 1) * rate <= compress_ring.GATHER_SLOTS:  # the ring kernel (CSA and its indexer)
         owner = rows.get(("owner",), lambda: slots.to(torch.int32))
         if comp.overlap:  # the prior window's ring rows first (-1: no window before the first), then the window's own
@@ -135,4 +136,4 @@ def compress_decode(
     else:  # long windows (HCA): gathered by PyTorch, then pooled (compress_pool stages a window with one 2D copy)
         pooled = ops.compress_pool(*_gathered(comp, w, slots.view(-1, 1), ring_rows, entry, rows))
     entries = _finish(ops, w, pooled, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
-    comp.store[rows.close_rows(lay)] = entries.to(comp.store.dtype)
+    comp.store.index_copy_(0, rows.close_rows(lay), entries.to(comp.store.dtype))

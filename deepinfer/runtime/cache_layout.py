@@ -118,9 +118,10 @@ class CompressorLayout:
         return self.buf_kv.slot_rows
 
     # ---- rows (pure torch ops, static shapes, no host syncs) ----
-    def buffer_index(self, slots: torch.Tensor | int, positions: torch.Tensor) -> tuple:
-        """Index of position `positions`' row in the buffer rings of `slots` (broadcast)."""
-        return slots, positions % self.buffer_rows
+    def buffer_row(self, slots: torch.Tensor | int, positions: torch.Tensor) -> torch.Tensor:
+        """Row of position `positions` in the buffer rings of `slots` (broadcast), the rings [slots + 1, buffer_rows,
+        width] seen as one table [(slots + 1) * buffer_rows, width] (what `index_copy_` writes)."""
+        return torch.add(positions % self.buffer_rows, slots, alpha=self.buffer_rows)
 
     def closed(self, positions: torch.Tensor) -> torch.Tensor:
         """How many windows are closed once `positions` is in (the entries a query there may see)."""
