@@ -96,19 +96,20 @@ def dependent_launch(func: Any) -> Any:
     from tilelang.cuda.language.pdl import pdl_sync, pdl_trigger
     from tvm import tirx
 
-    def post(stmt):
-        if isinstance(stmt, tirx.SBlock) and stmt.name_hint == "tilelang_root":
-            body = tirx.SeqStmt([tirx.Evaluate(pdl_sync()), tirx.Evaluate(pdl_trigger()), stmt.body])
-            return tirx.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
-                               stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
-        return None
+    frames = []
 
-    found = []
-    tirx.stmt_functor.post_order_visit(
-        func.body, lambda s: found.append(s) if isinstance(s, tirx.SBlock) and s.name_hint == "tilelang_root" else None)
-    if len(found) != 1:
-        raise ValueError(f"dependent_launch: expected one kernel frame (`tilelang_root`), found {len(found)}")
-    return func.with_body(tirx.stmt_functor.ir_transform(func.body, None, post, ["tirx.SBlock"]))
+    def post(stmt):
+        if stmt.name_hint != "tilelang_root":
+            return None
+        frames.append(stmt)
+        body = tirx.SeqStmt([tirx.Evaluate(pdl_sync()), tirx.Evaluate(pdl_trigger()), stmt.body])
+        return tirx.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                           stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+
+    body = tirx.stmt_functor.ir_transform(func.body, None, post, ["tirx.SBlock"])
+    if len(frames) != 1:
+        raise ValueError(f"dependent_launch: expected one kernel frame (`tilelang_root`), found {len(frames)}")
+    return func.with_body(body)
 
 
 def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, source_name: str,
