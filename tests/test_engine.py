@@ -103,9 +103,7 @@ def test_graph_padding_rows_do_not_touch_live_state(saved):
         t.copy_(old)
     padded = graphs._static(8)
     inp = padded.inputs
-    inp.ids.zero_(); inp.ids[0] = 5
-    inp.positions.zero_(); inp.positions[0] = 19
-    inp.slots.fill_(llm.cache.scratch_slot); inp.slots[0] = seq.slot
+    graphs.stage(padded, [5], [19], [seq])  # ids, positions, slots and the host-made rows
     inp.blocks.copy_(llm.cache.block_table([seq], rows=8))
     eight = llm.model.decode(llm.cache, inp)[:1]
     assert (one - eight).abs().max().item() <= 1e-5

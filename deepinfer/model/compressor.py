@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.runtime.cache import Compressor, SeqCache
+from deepinfer.runtime.cache_layout import CompressorLayout
 from deepinfer.model.step_rows import StepRows
 from deepinfer.model.weights import Compressor as CompressorWeights
 from tilekernels import OpTable
@@ -107,6 +108,12 @@ def _gathered(comp: Compressor, w: CompressorWeights, owner, ring_rows, entry, r
             torch.cat([prior_gate, chunk_gate[..., d:]], dim=1))
 
 
+def ring_kernel(lay: CompressorLayout) -> bool:
+    """Whether a decode step pools the compressor's window with the ring kernel (CSA and its indexer), not from a
+    gathered copy (HCA's long windows)."""
+    return (2 if lay.overlap else 1) * lay.rate <= compress_ring.GATHER_SLOTS
+
+
 def compress_decode(
     ops: OpTable, comp: Compressor, w: CompressorWeights, rows: StepRows, kv: torch.Tensor, gate: torch.Tensor,
     eps: float, rope: RopeTables,
@@ -125,7 +132,7 @@ def compress_decode(
         ((positions // rate * rate).view(-1, 1) + torch.arange(rate, device=positions.device).view(1, -1)) % ring))
     comp.buf_kv.view(-1, comp.buf_kv.shape[-1]).index_copy_(0, at, kv.to(comp.buf_kv.dtype))
     comp.buf_gate.view(-1, comp.buf_gate.shape[-1]).index_copy_(0, at, gate.to(comp.buf_gate.dtype))
-    if (2 if comp.overlap else 1) * rate <= compress_ring.GATHER_SLOTS:  # the ring kernel (CSA and its indexer)
+    if ring_kernel(lay):
         owner = rows.get(("owner",), lambda: slots.to(torch.int32))
         if comp.overlap:  # the prior window's ring rows first (-1: no window before the first), then the window's own
             slot_rows = rows.get(("overlap rows", rate, ring), lambda: torch.cat(

@@ -9,7 +9,8 @@ CSA). Padding rows use the scratch slot and scratch blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping
 
 import torch
 
@@ -29,6 +30,7 @@ class DecodeInputs:
     positions: torch.Tensor  # [B] int64: its position
     slots: torch.Tensor  # [B] int64: cache slot of the row's sequence (scratch for padding)
     blocks: torch.Tensor  # [B, max_blocks] int64: block table (scratch-padded)
+    rows: Mapping[Hashable, object] = field(default_factory=dict)  # `StepRows` made on the host (`host_rows.py`)
 
 
 def decode_attention(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor, layer: LayerCache,

@@ -109,8 +109,8 @@ class DeepseekV4:
         `hidden` what the drafter reads of the rows, as `prefill`'s). Rows of one sequence at consecutive positions (a
         verify step's) write their state before any row reads it, so each sees the rows before it."""
 
-        rotated = inp.positions.to(torch.int32)  # the RoPE kernels' position type, converted once per step
-        rows = StepRows(inp.positions, inp.slots, inp.blocks)  # cache rows the layers share, made once this step
+        rows = StepRows(inp.positions, inp.slots, inp.blocks, inp.rows)  # cache rows the layers share, made once
+        rotated = rows.get(("rotated",), lambda: inp.positions.to(torch.int32))  # the RoPE kernels' position type
 
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:
             ctx, w = self._attn_ctx[layer], self.weights.layers[layer].attn

@@ -8,7 +8,7 @@ are pure torch ops with static shapes and no host reads (captured in the decode 
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, TypeVar
+from typing import Callable, Hashable, Mapping, TypeVar
 
 import torch
 
@@ -19,11 +19,13 @@ T = TypeVar("T")
 
 class StepRows:
     """One decode step's shared rows for positions [B], slots [B] and block tables [B, max_blocks] (int64). A new
-    object per step (the inputs' tensors are reused between steps)."""
+    object per step (the inputs' tensors are reused between steps). `given`: rows already made, by key (those the
+    host made for the step, `host_rows.py`); the others are made here on first use."""
 
-    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
+                 given: Mapping[Hashable, object] | None = None) -> None:
         self.positions, self.slots, self.blocks = positions, slots, blocks
-        self._made: dict = {}
+        self._made: dict = dict(given or {})
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         if key not in self._made:
@@ -58,7 +60,7 @@ class StepRows:
 
     def window(self, lay: LayerLayout) -> torch.Tensor:
         """[B] pool rows the rows' tokens write (`LayerLayout.window_rows`): the windows' last column."""
-        return self.attend(lay)[:, -1]
+        return self.get(("window", lay.window, lay.ring), lambda: self.attend(lay)[:, -1])
 
     # ---- compressed entries through the block table ----
     def entry_table(self, lay: CompressorLayout) -> torch.Tensor:

@@ -2,8 +2,9 @@
 can capture (all of them at start, `capture_all`, largest first into one memory pool; else the first time a step
 of that bucket runs), and run eagerly where it cannot (CPU).
 
-A step's inputs (ids, positions, cache slots) go to the device with one copy through pinned memory; the block
-table is not sent at all: the captured step gathers its rows from the cache's device-resident table by slot.
+A step's inputs (ids, positions, cache slots, and the row arithmetic the host makes for it: `host_rows.py`) go to
+the device with one copy through pinned memory; the block table is not sent at all: the captured step gathers its
+rows from the cache's device-resident table by slot.
 Inputs are padded to the bucket with rows that read and write only the cache's scratch slot and blocks. The ids
 may instead be gathered on the device (`DeviceIds`: the tokens the previous step sampled, not yet seen by the
 host)."""
@@ -13,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
+from deepinfer.model.host_rows import HostRows
 from deepinfer.runtime.cache import PagedCache, SeqCache
 from deepinfer.runtime.staging import DeviceIds, InputStage
 from deepinfer.model.decode import DecodeInputs
@@ -59,7 +62,8 @@ def take_ids(ids: list[int] | DeviceIds, staged: torch.Tensor) -> None:
 @dataclass
 class _Bucket:
     inputs: DecodeInputs
-    stage: InputStage
+    stage: InputStage  # STAGED rows, then the host-made rows' bytes
+    host_rows: HostRows
     logits: torch.Tensor | None = None
     streams: torch.Tensor | None = None  # the rows' final residual streams (`hidden` graphs)
     replay: Callable[[], Any] | None = None
@@ -102,17 +106,28 @@ class DecodeGraphs:
     def _static(self, size: int) -> _Bucket:
         if size not in self._graphs:
             device, cache = self.model.device, self.cache
-            stage = InputStage(STAGED, size, device)
-            stage.staged[2].fill_(cache.scratch_slot)
-            ids, positions, slots, _ = stage.staged
+            host_rows = HostRows(cache.layout.layers, size)
+            stage = InputStage(STAGED + -(-host_rows.nbytes // (8 * size)), size, device)
+            ids, positions, slots, _ = stage.staged[:STAGED]
             inputs = DecodeInputs(ids, positions, slots, blocks=torch.full(
-                (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device))
-            bucket = _Bucket(inputs, stage)
+                (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device),
+                rows=host_rows.device(stage.staged[STAGED:].view(-1).view(torch.uint8)))
+            bucket = _Bucket(inputs, stage, host_rows)
+            self.stage(bucket, [], [], [])  # every row padding (what a capture runs on)
             if self.capture is not None:  # all rows are padding while capturing: only scratch state is touched
                 out, bucket.replay = self.capture(lambda: self._step(inputs))
                 bucket.logits, bucket.streams = out if self.hidden else (out, None)
             self._graphs[size] = bucket
         return self._graphs[size]
+
+    def stage(self, bucket: _Bucket, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> None:
+        """Stage a step's inputs and host-made rows in its bucket (one copy)."""
+        size, scratch, slots = bucket.inputs.ids.shape[0], self.cache.scratch_slot, [s.slot for s in seqs]
+        values = np.empty(tuple(bucket.stage.staged.shape), np.int64)
+        values[:STAGED] = stage_rows(ids, positions, slots, size, scratch)
+        bucket.host_rows.fill(values[STAGED:].reshape(-1).view(np.uint8), positions, slots, [s.blocks for s in seqs],
+                              scratch)
+        take_ids(ids, bucket.stage.send(values))
 
     def run(self, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache], rows: int = 0,
             eager: bool = False) -> torch.Tensor:
@@ -120,9 +135,7 @@ class DecodeGraphs:
         bucket of at least that many rows (ranks stepping together); `eager`: not from its graph."""
         n = len(positions)
         bucket = self._static(self.bucket(max(n, rows, 1)))
-        size = bucket.inputs.ids.shape[0]
-        take_ids(ids, bucket.stage.send(stage_rows(ids, positions, [s.slot for s in seqs], size,
-                                                   self.cache.scratch_slot)))
+        self.stage(bucket, ids, positions, seqs)
         if bucket.replay is None or eager:
             out = self._step(bucket.inputs)
             logits, streams = out if self.hidden else (out, None)

@@ -8,6 +8,7 @@ plain and there is nothing to wait for.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -39,14 +40,15 @@ class InputStage:
         self._events: list[torch.Event | None] = [None] * count
         self._turn = 0
 
-    def send(self, values: list[list[float]]) -> torch.Tensor:
-        """Copy `values` (one list per row, each `width` long) to the device; returns the staged device tensor."""
+    def send(self, values: list[list[float]] | np.ndarray) -> torch.Tensor:
+        """Copy `values` (one list per row, each `width` long, or an array of the stage's shape) to the device;
+        returns the staged device tensor."""
         turn = self._turn
         self._turn = (turn + 1) % len(self._host)
         host = self._host[turn]
         if self._events[turn] is not None:
             self._events[turn].synchronize()  # the copy that last read this buffer has run
-        host.copy_(torch.tensor(values, dtype=host.dtype))
+        host.copy_(torch.as_tensor(values, dtype=host.dtype))
         if not self._async:
             self.staged.copy_(host)
             return self.staged
