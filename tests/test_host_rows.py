@@ -28,7 +28,8 @@ class Checking(StepRows):
     checked: set = set()
 
     def __init__(self, positions, slots, blocks, given=None):
-        super().__init__(positions, slots, blocks)
+        kept = {"entry offsets", "entries", "entry table buffer"}  # the buffers kept between steps: as given
+        super().__init__(positions, slots, blocks, {k: v for k, v in (given or {}).items() if k[0] in kept})
         self.given, self.depth = dict(given or {}), 0  # depth: inside the check of a given key
 
     def get(self, key, make):
@@ -43,6 +44,10 @@ class Checking(StepRows):
                 Checking.checked.add(key[0])
             elif not self.depth:
                 Checking.made_here.add(key[0])
+            if key[0] == "entry table":  # made in the given buffer: as the plain table
+                assert value.data_ptr() == self.given[("entry table buffer", key[1])].data_ptr()
+                assert torch.equal(value, StepRows(self.positions, self.slots, self.blocks).entry_table(key[1]))
+                Checking.checked.add("entry table buffer")
             self._made[key] = value
         return self._made[key]
 
@@ -64,7 +69,7 @@ def test_host_rows_equal_the_device_rows_through_generation(llm):
     llm.generate(reqs, params)  # 3 rows in the 4-row bucket, past position 128 (an HCA window of 128 closes)
     assert Checking.made_here <= DEVICE_ONLY, Checking.made_here - DEVICE_ONLY
     want = {"rotated", "owner", "closed", "closing", "closing entry", "closing at", "attend", "window", "ring",
-            "close rows", "overlap rows"} | ({"window rows"} if cfg is TINY_B else set())
+            "close rows", "overlap rows", "entry table buffer"} | ({"window rows"} if cfg is TINY_B else set())
     assert Checking.checked == want
 
 

@@ -142,5 +142,7 @@ def compress_decode(
         pooled = ops.compress_ring(comp.buf_kv, comp.buf_gate, w.position_bias, owner, slot_rows)
     else:  # long windows (HCA): gathered by PyTorch, then pooled (compress_pool stages a window with one 2D copy)
         pooled = ops.compress_pool(*_gathered(comp, w, slots.view(-1, 1), ring_rows, entry, rows))
-    entries = _finish(ops, w, pooled, rows.get(("closing at", rate), lambda: entry * rate), eps, rope)
+    # the first position of the closing window, in RoPE's position type (the host makes it so: no cast in the op)
+    at_pos = rows.get(("closing at", rate), lambda: (entry * rate).to(torch.int32))
+    entries = _finish(ops, w, pooled, at_pos, eps, rope)
     comp.store.index_copy_(0, rows.close_rows(lay), entries.to(comp.store.dtype))

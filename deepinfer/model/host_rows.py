@@ -47,7 +47,7 @@ class HostRows:
         specs += [(("owner",), None, np.int32, 0)] if any(map(ring_kernel, self.compressors)) else []
         for r in self.rates:
             specs += [(("closed", r), None, np.int64, 0), (("closing", r), None, np.bool_, 0),
-                      (("closing entry", r), None, np.int64, 0), (("closing at", r), None, np.int64, 0)]
+                      (("closing entry", r), None, np.int64, 0), (("closing at", r), None, np.int32, 0)]
         for w, ring in self.windows:
             specs += [(("attend", w, ring), None, np.int64, w), (("window", w, ring), None, np.int64, 0)]
         for c in self.compressors:
@@ -81,6 +81,22 @@ class HostRows:
             else:
                 out[p.key] = out.get(p.key, ()) + (t,)
         return out
+
+    def buffers(self, max_blocks: int, device: torch.device | str) -> dict[Hashable, torch.Tensor]:
+        """Device tensors a step of `size` rows keeps between steps: each compressor's entry offsets, its entry
+        indices and its entry table's buffer [size, 1 + max_blocks * per_block] with column 0 -1 (`StepRows.entry_table` fills the rest
+        every step). `sized` views them for a smaller step (buckets run one at a time: one set serves them all)."""
+        out: dict = {}
+        for c in self.compressors:
+            out[("entry offsets", c)] = torch.arange(c.base, c.base + c.per_block, device=device)
+            out[("entries", c)] = torch.arange(max_blocks * c.per_block, device=device)
+            out[("entry table buffer", c)] = torch.full((self.size, 1 + max_blocks * c.per_block), -1,
+                                                        dtype=torch.long, device=device)
+        return out
+
+    @staticmethod
+    def sized(buffers: dict[Hashable, torch.Tensor], size: int) -> dict[Hashable, torch.Tensor]:
+        return {k: v[:size] if k[0] == "entry table buffer" else v for k, v in buffers.items()}
 
     def fill(self, packed: np.ndarray, positions: Sequence[int], slots: Sequence[int], blocks: Sequence[Sequence[int]],
              scratch_slot: int) -> None:

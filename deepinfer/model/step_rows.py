@@ -66,11 +66,17 @@ class StepRows:
     def entry_table(self, lay: CompressorLayout) -> torch.Tensor:
         """[B, 1 + E]: column 0 is -1, column 1 + e the store row of entry e of each row's block table
         (`CompressorLayout.entry_rows`); so a gather at `entry + 1` reads -1 for entry -1. One
-        table per layout and step, in three kernels."""
+        table per layout and step, in one kernel where the step is given its buffer and offsets, else three."""
         def make() -> torch.Tensor:
             b, nb, pb = *self.blocks.shape, lay.per_block
-            offsets = torch.arange(lay.base, lay.base + pb, device=self.blocks.device)
-            out = torch.full((b, 1 + nb * pb), -1, dtype=self.blocks.dtype, device=self.blocks.device)
+            device = self.blocks.device
+            # a given buffer (column 0 already -1) and offsets: made once for every step (`HostRows.buffers`)
+            offsets = self._made.get(("entry offsets", lay))
+            if offsets is None:
+                offsets = torch.arange(lay.base, lay.base + pb, device=device)
+            out = self._made.get(("entry table buffer", lay))
+            if out is None:
+                out = torch.full((b, 1 + nb * pb), -1, dtype=self.blocks.dtype, device=device)
             torch.add(offsets, self.blocks.view(b, nb, 1), alpha=pb, out=out[:, 1:].view(b, nb, pb))
             return out
         return self.get(("entry table", lay), make)
@@ -95,6 +101,8 @@ class StepRows:
         """[B, E] store rows of every closed entry each row may see, -1 for the others (HCA's whole list)."""
         def make() -> torch.Tensor:
             table = self.keys(lay)
-            entry = torch.arange(table.shape[1], device=table.device)
+            entry = self._made.get(("entries", lay))  # given once for every step (`HostRows.buffers`)
+            if entry is None:
+                entry = torch.arange(table.shape[1], device=table.device)
             return torch.where(entry < self.closed(lay.rate).view(-1, 1), table, -1)
         return self.get(("visible", lay), make)

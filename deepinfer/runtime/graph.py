@@ -81,6 +81,7 @@ class DecodeGraphs:
         self._graphs: dict[int, _Bucket] = {}
         self.last_logits: torch.Tensor | None = None  # the bucket-sized logits buffer of the last replayed step
         self.last_streams: torch.Tensor | None = None  # the last step's rows' streams (`hidden`)
+        self._buffers: dict | None = None  # what the host-made rows' steps keep between steps (`HostRows.buffers`)
 
     def bucket(self, n: int) -> int:
         size = bucket_for(self.buckets, n)
@@ -107,11 +108,15 @@ class DecodeGraphs:
         if size not in self._graphs:
             device, cache = self.model.device, self.cache
             host_rows = HostRows(cache.layout.layers, size)
+            if self._buffers is None:  # for the largest bucket, viewed by the others
+                self._buffers = HostRows(cache.layout.layers, self.buckets[-1]).buffers(cache.spec.max_blocks_per_seq,
+                                                                                         device)
             stage = InputStage(STAGED + -(-host_rows.nbytes // (8 * size)), size, device)
             ids, positions, slots, _ = stage.staged[:STAGED]
             inputs = DecodeInputs(ids, positions, slots, blocks=torch.full(
                 (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device),
-                rows=host_rows.device(stage.staged[STAGED:].view(-1).view(torch.uint8)))
+                rows=host_rows.device(stage.staged[STAGED:].view(-1).view(torch.uint8))
+                | HostRows.sized(self._buffers, size))
             bucket = _Bucket(inputs, stage, host_rows)
             self.stage(bucket, [], [], [])  # every row padding (what a capture runs on)
             if self.capture is not None:  # all rows are padding while capturing: only scratch state is touched
