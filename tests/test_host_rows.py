@@ -103,3 +103,19 @@ def test_the_packed_rows_are_views_of_one_buffer():
     csa = next(c for lay in layout.layers for c in (lay.compressor,) if c is not None and c.rate == 4)
     assert device[("close rows", csa)][0].item() == csa.base + 2 * csa.per_block + 32 % csa.per_block
     assert device[("close rows", csa)][1:].tolist() == [csa.scratch_row] * 2
+
+
+def test_a_filled_buffer_is_the_one_written():
+    """`fill` keeps the views of the buffer it filled last: another buffer gets its own."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.runtime.cache import CacheLayout, CacheSpec
+    layout = CacheLayout.build(ModelConfig.from_dict(TINY_B), CacheSpec(num_blocks=5, max_seqs=2, max_blocks_per_seq=3),
+                               torch.float32)
+    plan = HostRows(layout.layers, 2)
+    a, b = np.zeros(plan.nbytes, np.uint8), np.zeros(plan.nbytes, np.uint8)
+    plan.fill(a, [7], [0], [[1]], scratch_slot=2)
+    plan.fill(b, [9, 3], [1, 0], [[2], [3]], scratch_slot=2)
+    plan.fill(a, [8], [1], [[1]], scratch_slot=2)
+    assert plan.device(torch.from_numpy(a))[("rotated",)].tolist() == [8, 0]
+    assert plan.device(torch.from_numpy(b))[("rotated",)].tolist() == [9, 3]
+    assert plan.device(torch.from_numpy(b))[("owner",)].tolist() == [1, 0]

@@ -64,6 +64,7 @@ class _Bucket:
     inputs: DecodeInputs
     stage: InputStage  # STAGED rows, then the host-made rows' bytes
     host_rows: HostRows
+    values: np.ndarray  # the staged rows as the host writes them, every step (`HostRows.fill` keeps its views)
     logits: torch.Tensor | None = None
     streams: torch.Tensor | None = None  # the rows' final residual streams (`hidden` graphs)
     replay: Callable[[], Any] | None = None
@@ -117,7 +118,7 @@ class DecodeGraphs:
                 (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device),
                 rows=host_rows.device(stage.staged[STAGED:].view(-1).view(torch.uint8))
                 | HostRows.sized(self._buffers, size))
-            bucket = _Bucket(inputs, stage, host_rows)
+            bucket = _Bucket(inputs, stage, host_rows, np.empty(tuple(stage.staged.shape), np.int64))
             self.stage(bucket, [], [], [])  # every row padding (what a capture runs on)
             if self.capture is not None:  # all rows are padding while capturing: only scratch state is touched
                 out, bucket.replay = self.capture(lambda: self._step(inputs))
@@ -128,7 +129,7 @@ class DecodeGraphs:
     def stage(self, bucket: _Bucket, ids: list[int] | DeviceIds, positions: list[int], seqs: list[SeqCache]) -> None:
         """Stage a step's inputs and host-made rows in its bucket (one copy)."""
         size, scratch, slots = bucket.inputs.ids.shape[0], self.cache.scratch_slot, [s.slot for s in seqs]
-        values = np.empty(tuple(bucket.stage.staged.shape), np.int64)
+        values = bucket.values  # the host's copy, sent (copied to pinned memory) before this returns
         values[:STAGED] = stage_rows(ids, positions, slots, size, scratch)
         bucket.host_rows.fill(values[STAGED:].reshape(-1).view(np.uint8), positions, slots, [s.blocks for s in seqs],
                               scratch)
