@@ -53,7 +53,10 @@ class RankPool:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the caller's imports
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+        # a backlog for every rank: with multiprocessing's default of 1, ranks connecting at once overflow the accept
+        # queue, and a connection whose last handshake packet the kernel drops there hangs (the worker waits for the
+        # key's challenge on a socket the listener never accepts: 2 starts in 3 hung at 8 ranks on 2 cores)
+        with Listener(("127.0.0.1", 0), authkey=key, backlog=world) as listener:
             host, listen_port = listener.address
             for rank in range(world):
                 proc = subprocess.Popen([sys.executable, "-m", "deepinfer.parallel.worker", host, str(listen_port)],
