@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "as_strided", "expand", "slice", "select", "unsqueeze",
-             "squeeze", "t", "transpose", "permute", "reshape", "alias", "detach", "split", "split_with_sizes", "unbind",
-             "narrow", "lift_fresh", "new_empty", "empty_like", "unfold", "diagonal", "view_as", "to", "contiguous"}
+NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "as_strided", "expand", "slice", "select",
+             "unsqueeze", "squeeze", "t", "transpose", "permute", "reshape", "alias", "detach", "split",
+             "split_with_sizes", "unbind", "narrow", "lift_fresh", "new_empty", "empty_like", "unfold", "diagonal",
+             "view_as", "to", "contiguous"}
 
 
 class Glue(TorchDispatchMode):
@@ -38,9 +39,10 @@ class Glue(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name not in NO_KERNEL:
-            frames = [f for f in traceback.extract_stack() if "/deepinfer/" in f.filename or "/tilekernels/" in f.filename]
-            where = f"{Path(frames[-1].filename).parent.name}/{Path(frames[-1].filename).name}:{frames[-1].lineno}"
-            self.counts[(name, where if frames else "?")] += 1
+            frames = [f for f in traceback.extract_stack()
+                      if "/deepinfer/" in f.filename or "/tilekernels/" in f.filename]
+            at = Path(frames[-1].filename) if frames else None
+            self.counts[(name, f"{at.parent.name}/{at.name}:{frames[-1].lineno}" if frames else "?")] += 1
         return func(*args, **(kwargs or {}))
 
 

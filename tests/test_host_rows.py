@@ -119,3 +119,18 @@ def test_a_filled_buffer_is_the_one_written():
     assert plan.device(torch.from_numpy(a))[("rotated",)].tolist() == [8, 0]
     assert plan.device(torch.from_numpy(b))[("rotated",)].tolist() == [9, 3]
     assert plan.device(torch.from_numpy(b))[("owner",)].tolist() == [1, 0]
+
+
+def test_a_slice_decode_step_makes_only_block_table_rows_on_the_device():
+    """Counted on meta tensors (`benchmarks/decode_launches.py --glue`): with the host's rows the V4-Flash slice's
+    step runs no row arithmetic of `StepRows` but the entry tables' fill, the indexer's picks and HCA's visible
+    list."""
+    from benchmarks.decode import SLICE
+    from benchmarks.decode_launches import Glue, count
+
+    glue = Glue()
+    count(SLICE, 1, False, glue)
+    rows = {name for (name, where), n in glue.counts.items() if where.startswith("model/step_rows.py")}
+    assert rows <= {"add", "gather", "lt", "where"}, rows  # table fill (add), picks (add, gather), visible (lt, where)
+    made = sum(n for (name, where), n in glue.counts.items() if where.startswith("model/step_rows.py"))
+    assert made <= 3 + 2 + 2  # a fill per compressor geometry (3 in the slice), the picks, HCA's visible list

@@ -1,6 +1,6 @@
-"""Several ranks on the CPU (gloo, one process per rank, deepinfer's own launcher; 2, 4 and 8 ranks): data-parallel,
-tensor-parallel and expert-parallel layouts give the one-process logits (fp32, within 1e-5) and greedy tokens; a failing rank
-ends the run with its message in bounded time; bad sizes are refused by name."""
+"""Several ranks on the CPU (gloo, one process per rank, deepinfer's own launcher; 2, 4 and 8 ranks):
+data-parallel, tensor-parallel and expert-parallel layouts give the one-process logits (fp32, within 1e-5) and
+greedy tokens; a failing rank ends the run with its message in bounded time; bad sizes are refused by name."""
 
 from __future__ import annotations
 

@@ -86,8 +86,9 @@ class HostRows:
 
     def buffers(self, max_blocks: int, device: torch.device | str) -> dict[Hashable, torch.Tensor]:
         """Device tensors a step of `size` rows keeps between steps: each compressor's entry offsets, its entry
-        indices and its entry table's buffer [size, 1 + max_blocks * per_block] with column 0 -1 (`StepRows.entry_table` fills the rest
-        every step). `sized` views them for a smaller step (buckets run one at a time: one set serves them all)."""
+        indices and its entry table's buffer [size, 1 + max_blocks * per_block] with column 0 -1
+        (`StepRows.entry_table` fills the rest every step). `sized` views them for a smaller step (buckets run one
+        at a time: one set serves them all)."""
         out: dict = {}
         for c in self.compressors:
             out[("entry offsets", c)] = torch.arange(c.base, c.base + c.per_block, device=device)
