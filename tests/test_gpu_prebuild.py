@@ -19,3 +19,16 @@ def test_default_is_the_embedded_models_plan_in_both_modes():
 def test_an_unknown_tag_names_the_accepted_ones():
     with pytest.raises(ValueError, match="unknown tag 'tiny1'.*default, tiny, tinyq"):
         items_for("tiny1")
+
+
+def test_kernels_tag_covers_every_op_the_kernel_tests_run():
+    """Every V4-Flash op `tests/gpu/test_kernels_gpu.py` parametrizes has a variant there (a missing one fails that
+    test on the GPU host with a KeyError) and kernels in the `kernels` tag, at its decode and prefill sizes."""
+    from tests.gpu.test_kernels_gpu import flash_ops, flash_variants
+
+    assert set(flash_ops()) <= set(flash_variants()), set(flash_ops()) - set(flash_variants())
+    ops = {op for op, _, _ in items_for("kernels")}
+    # the grouped projection and the unweighted norm run as `linear` and `rms_norm` kernels
+    assert {"grouped_linear", "rms_norm_unweighted"} | ops >= set(flash_ops())
+    moe = [v for op, _, v in items_for("kernels") if op == "moe_experts"]
+    assert any(getattr(v, "fp4", False) for v in moe) and any(not getattr(v, "fp4", False) for v in moe)

@@ -6,7 +6,8 @@ minutes of device time). On the GPU host, after `source .gpu-host/setup.sh`:
 
 Tags: `default` (the embedded tiny model, both modes), `tiny` (the test configs TINY_A/B, MTP and DSpark ones, both
 modes), `tinyq` (TINY_A with FP8/FP4 weights kept), `v41` (the V4.1 fixtures, fixture a quantized too), `slice` (the
-V4-Flash slice, bf16), `slice-invariant` (its batch-invariant variants), `qslice` (the slice quantized). Jobs:
+V4-Flash slice, bf16), `slice-invariant` (its batch-invariant variants), `qslice` (the slice quantized), `kernels`
+(what `tests/gpu/test_kernels_gpu.py` launches: every V4-Flash op at its widths, recorded on meta tensors). Jobs:
 min(16, cores); the cache is `DEEPINFER_CACHE_DIR`'s.
 
 It also runs on a machine without a GPU (nvcc builds the same libraries): build there, carry the cache compressed
@@ -21,7 +22,31 @@ import os
 import sys
 import time
 
-TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice")
+TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels")
+
+
+def kernel_test_items() -> list[tuple]:
+    """The (op, kernel, variant) items `tests/gpu/test_kernels_gpu.py` launches: each op's example at its V4-Flash
+    variant for the test's token counts, the query's norm-and-RoPE form and the FP4 experts, run on meta tensors
+    through a recorder."""
+    import torch
+
+    from tests.gpu.test_kernels_gpu import flash_ops, flash_variants
+    from tilekernels.kernels import Recorder, table
+    from tilekernels.ops import DECLARED, moe_experts, rope
+
+    recorder, meta = Recorder(), torch.device("meta")
+    ops, variants = table(recorder), flash_variants()
+    cases = [(name, variants[name], tokens) for name in flash_ops() for tokens in (8, 16, 512)]
+    cases += [("rope", rope.Variant(64, 512, 64, "bfloat16", norm=True), tokens) for tokens in (1, 8, 512)]
+    cases += [("moe_experts", moe_experts.Variant(4096, 4096, 256, "bfloat16", fp4=True), t) for t in (1, 64, 700)]
+    for name, variant, tokens in cases:
+        args = DECLARED[name].example(variant, tokens, meta)
+        if name == "rope" and variant.norm:  # the test's call: in place, normalised
+            getattr(ops, name)(*args[:5], inplace=True, norm_eps=args[6])
+        else:
+            getattr(ops, name)(*args)
+    return list(recorder.seen)
 
 
 def items_for(tag: str) -> list[tuple]:
@@ -55,6 +80,8 @@ def items_for(tag: str) -> list[tuple]:
                 raw.update(dtype="fp8", expert_dtype="fp4", quantization_config=QUANTIZATION)
                 out += kernel_plan(V41Config.from_dict(raw), "bfloat16", quantized=True)
         return out
+    if tag == "kernels":
+        return kernel_test_items()
     if tag in ("slice", "slice-invariant", "qslice"):
         from benchmarks.decode import SLICE
 

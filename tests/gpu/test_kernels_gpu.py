@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 def flash_variants() -> dict:
     """op -> the variant its inputs are made for, at V4-Flash widths (hidden 4096, 64 heads of 512, 256
     experts top 6, hc 4, vocab 129280); the inputs come from each op's own `example`."""
-    from tilekernels.ops import (act_quant, compress_pool, hc_mid, hc_post, hc_pre, indexer_scores, linear, moe_experts,
-                                 moe_gate, rms_norm, rope, sparse_attention, swiglu)
+    from tilekernels.ops import (act_quant, compress_pool, compress_ring, hc_mid, hc_post, hc_pre, indexer_scores,
+                                 linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
     return {
         "act_quant": act_quant.Variant(4096, 128, "bfloat16", pow2=True),
@@ -33,6 +33,8 @@ def flash_variants() -> dict:
         "hc_mid": hc_mid.Variant(4, 4096, "bfloat16", 128),  # fused up to 64 rows (8 tokens), then hc_post + hc_pre
         "sparse_attention": sparse_attention.Variant(64, 512, "bfloat16"),
         "compress_pool": compress_pool.Variant(128, 512, "bfloat16"),
+        # CSA's ring: overlapping windows of 4 (8 slots), two series of 512
+        "compress_ring": compress_ring.Variant(4, 8, 8, 1024, "bfloat16", "bfloat16"),
         "indexer_scores": indexer_scores.Variant(64, 128, "bfloat16", False),
     }
 
@@ -54,8 +56,8 @@ def compare(name, got, want, args=()):
 def moe_gate_ties(got, want, args):
     """Routing compared order-free; a row whose picked set differs must be a near-tie: its picks' fp32 selection
     scores sum to the reference's within the bf16 tolerance (the reference scores bf16 logits in bf16, the kernel
-    in fp32, and bf16 scores tie often over 256 experts: on the H200 up to 2 rows of 16 differed, by <= 0.0024). Such rows drop out of the weight
-    comparison. Returns the sorted weights of the rows that agree."""
+    in fp32, and bf16 scores tie often over 256 experts: on the H200 up to 2 rows of 16 differed, by <= 0.0024).
+    Such rows drop out of the weight comparison. Returns the sorted weights of the rows that agree."""
     from tilekernels.ops.moe_gate import score
 
     logits, _, scoring, _, bias = args[:5]
