@@ -72,8 +72,8 @@ def count(config_dir: Path, batch: int, invariant: bool, glue: Glue | None = Non
     zeros = torch.zeros(batch, dtype=torch.long, device=META)
     host_rows = HostRows(cache.layout.layers, batch)
     given = host_rows.device(torch.empty(host_rows.nbytes, dtype=torch.uint8, device=META))
-    given |= host_rows.buffers(per_seq, META)
-    inputs = DecodeInputs(zeros, zeros, zeros, torch.zeros(batch, per_seq, dtype=torch.long, device=META), given)
+    kept = host_rows.buffers(batch, per_seq, META)
+    inputs = DecodeInputs(zeros, zeros, zeros, torch.zeros(batch, per_seq, dtype=torch.long, device=META), given, kept)
     with glue if glue is not None else torch.no_grad():
         model.decode(cache, inputs)
     return counts

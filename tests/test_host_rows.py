@@ -27,9 +27,8 @@ class Checking(StepRows):
     made_here: set = set()
     checked: set = set()
 
-    def __init__(self, positions, slots, blocks, given=None):
-        kept = {"entry offsets", "entries", "entry table buffer"}  # the buffers kept between steps: as given
-        super().__init__(positions, slots, blocks, {k: v for k, v in (given or {}).items() if k[0] in kept})
+    def __init__(self, positions, slots, blocks, given=None, kept=None):
+        super().__init__(positions, slots, blocks, None, kept)  # the kept buffers as the model's
         self.given, self.depth = dict(given or {}), 0  # depth: inside the check of a given key
 
     def get(self, key, make):
@@ -45,7 +44,7 @@ class Checking(StepRows):
             elif not self.depth:
                 Checking.made_here.add(key[0])
             if key[0] == "entry table":  # made in the given buffer: as the plain table
-                assert value.data_ptr() == self.given[("entry table buffer", key[1])].data_ptr()
+                assert value.data_ptr() == self._kept[("entry table buffer", key[1])].data_ptr()
                 assert torch.equal(value, StepRows(self.positions, self.slots, self.blocks).entry_table(key[1]))
                 Checking.checked.add("entry table buffer")
             self._made[key] = value

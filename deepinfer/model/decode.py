@@ -31,6 +31,7 @@ class DecodeInputs:
     slots: torch.Tensor  # [B] int64: cache slot of the row's sequence (scratch for padding)
     blocks: torch.Tensor  # [B, max_blocks] int64: block table (scratch-padded)
     rows: Mapping[Hashable, object] = field(default_factory=dict)  # `StepRows` made on the host (`host_rows.py`)
+    kept: Mapping[Hashable, torch.Tensor] = field(default_factory=dict)  # kept between steps (`HostRows.buffers`)
 
 
 def decode_attention(ctx: AttentionContext, w: Attention, x: torch.Tensor, pos: torch.Tensor, layer: LayerCache,

@@ -84,16 +84,16 @@ class HostRows:
                 out[p.key] = out.get(p.key, ()) + (t,)
         return out
 
-    def buffers(self, max_blocks: int, device: torch.device | str) -> dict[Hashable, torch.Tensor]:
-        """Device tensors a step of `size` rows keeps between steps: each compressor's entry offsets, its entry
-        indices and its entry table's buffer [size, 1 + max_blocks * per_block] with column 0 -1
+    def buffers(self, rows: int, max_blocks: int, device: torch.device | str) -> dict[Hashable, torch.Tensor]:
+        """Device tensors steps of up to `rows` rows keep between them: each compressor's entry offsets, its entry
+        indices and its entry table's buffer [rows, 1 + max_blocks * per_block] with column 0 -1
         (`StepRows.entry_table` fills the rest every step). `sized` views them for a smaller step (buckets run one
         at a time: one set serves them all)."""
         out: dict = {}
         for c in self.compressors:
             out[("entry offsets", c)] = torch.arange(c.base, c.base + c.per_block, device=device)
             out[("entries", c)] = torch.arange(max_blocks * c.per_block, device=device)
-            out[("entry table buffer", c)] = torch.full((self.size, 1 + max_blocks * c.per_block), -1,
+            out[("entry table buffer", c)] = torch.full((rows, 1 + max_blocks * c.per_block), -1,
                                                         dtype=torch.long, device=device)
         return out
 

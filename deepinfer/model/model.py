@@ -109,7 +109,7 @@ class DeepseekV4:
         `hidden` what the drafter reads of the rows, as `prefill`'s). Rows of one sequence at consecutive positions (a
         verify step's) write their state before any row reads it, so each sees the rows before it."""
 
-        rows = StepRows(inp.positions, inp.slots, inp.blocks, inp.rows)  # cache rows the layers share, made once
+        rows = StepRows(inp.positions, inp.slots, inp.blocks, inp.rows, inp.kept)  # the layers' shared cache rows
         rotated = rows.get(("rotated",), lambda: inp.positions.to(torch.int32))  # the RoPE kernels' position type
 
         def attend(layer: int, x: torch.Tensor) -> torch.Tensor:

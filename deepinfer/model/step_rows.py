@@ -20,12 +20,15 @@ T = TypeVar("T")
 class StepRows:
     """One decode step's shared rows for positions [B], slots [B] and block tables [B, max_blocks] (int64). A new
     object per step (the inputs' tensors are reused between steps). `given`: rows already made, by key (those the
-    host made for the step, `host_rows.py`); the others are made here on first use."""
+    host made for the step, `host_rows.py`); the others are made here on first use. `kept`: tensors the steps keep
+    between them (`HostRows.buffers`: the entry tables' buffers, offsets and entry indices), else made per step."""
 
     def __init__(self, positions: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor,
-                 given: Mapping[Hashable, object] | None = None) -> None:
+                 given: Mapping[Hashable, object] | None = None,
+                 kept: Mapping[Hashable, torch.Tensor] | None = None) -> None:
         self.positions, self.slots, self.blocks = positions, slots, blocks
         self._made: dict = dict(given or {})
+        self._kept = kept or {}
 
     def get(self, key: Hashable, make: Callable[[], T]) -> T:
         if key not in self._made:
@@ -70,11 +73,11 @@ class StepRows:
         def make() -> torch.Tensor:
             b, nb, pb = *self.blocks.shape, lay.per_block
             device = self.blocks.device
-            # a given buffer (column 0 already -1) and offsets: made once for every step (`HostRows.buffers`)
-            offsets = self._made.get(("entry offsets", lay))
+            # a kept buffer (column 0 already -1) and offsets: made once for every step (`HostRows.buffers`)
+            offsets = self._kept.get(("entry offsets", lay))
             if offsets is None:
                 offsets = torch.arange(lay.base, lay.base + pb, device=device)
-            out = self._made.get(("entry table buffer", lay))
+            out = self._kept.get(("entry table buffer", lay))
             if out is None:
                 out = torch.full((b, 1 + nb * pb), -1, dtype=self.blocks.dtype, device=device)
             torch.add(offsets, self.blocks.view(b, nb, 1), alpha=pb, out=out[:, 1:].view(b, nb, pb))
@@ -101,7 +104,7 @@ class StepRows:
         """[B, E] store rows of every closed entry each row may see, -1 for the others (HCA's whole list)."""
         def make() -> torch.Tensor:
             table = self.keys(lay)
-            entry = self._made.get(("entries", lay))  # given once for every step (`HostRows.buffers`)
+            entry = self._kept.get(("entries", lay))  # made once for every step (`HostRows.buffers`)
             if entry is None:
                 entry = torch.arange(table.shape[1], device=table.device)
             return torch.where(entry < self.closed(lay.rate).view(-1, 1), table, -1)

@@ -110,14 +110,13 @@ class DecodeGraphs:
             device, cache = self.model.device, self.cache
             host_rows = HostRows(cache.layout.layers, size)
             if self._buffers is None:  # for the largest bucket, viewed by the others
-                self._buffers = HostRows(cache.layout.layers, self.buckets[-1]).buffers(cache.spec.max_blocks_per_seq,
-                                                                                         device)
+                self._buffers = host_rows.buffers(self.buckets[-1], cache.spec.max_blocks_per_seq, device)
             stage = InputStage(STAGED + -(-host_rows.nbytes // (8 * size)), size, device)
             ids, positions, slots, _ = stage.staged[:STAGED]
             inputs = DecodeInputs(ids, positions, slots, blocks=torch.full(
                 (size, cache.spec.max_blocks_per_seq), cache.scratch_block, dtype=torch.long, device=device),
-                rows=host_rows.device(stage.staged[STAGED:].view(-1).view(torch.uint8))
-                | HostRows.sized(self._buffers, size))
+                rows=host_rows.device(stage.staged[STAGED:].view(-1).view(torch.uint8)),
+                kept=HostRows.sized(self._buffers, size))
             bucket = _Bucket(inputs, stage, host_rows, np.empty(tuple(stage.staged.shape), np.int64))
             self.stage(bucket, [], [], [])  # every row padding (what a capture runs on)
             if self.capture is not None:  # all rows are padding while capturing: only scratch state is touched
