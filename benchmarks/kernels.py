@@ -67,14 +67,18 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
-def cases(t: int) -> dict:
+def cases(t: int, device: str = "cuda", wanted: set[str] | None = None) -> dict:
     """label -> (op, args, bytes, flops) at V4-Flash shapes for t tokens; the args are each op's own `example`
-    for its V4-Flash variant (the generator the kernel tests use)."""
-    from tilekernels.ops import (DECLARED, compress_pool, hc_mid, hc_post, hc_pre, linear, moe_experts, moe_gate,
-                                 rms_norm, rope, swiglu)
+    for its V4-Flash variant (the generator the kernel tests use), made only for the `wanted` ops (all if None:
+    the whole set at 4,096 tokens does not fit an 80 GB GPU at once). On "meta" (`tools/gpu_prebuild.py bench`
+    records the kernels) the experts' bytes count every expert."""
+    from tilekernels.ops import (DECLARED, act_quant, compress_pool, hc_mid, hc_post, hc_pre, linear, moe_experts,
+                                 moe_gate, rms_norm, rope, swiglu)
 
     def ex(name, variant):
-        return DECLARED[name].example(variant, t, "cuda")
+        if wanted is not None and name not in wanted:
+            return None
+        return DECLARED[name].example(variant, t, device)
 
     out = {
         "rms_norm[4096]": ("rms_norm", ex("rms_norm", rms_norm.Variant(H, "bfloat16")), 4 * t * H + 4 * H, 0),
@@ -108,25 +112,33 @@ def cases(t: int) -> dict:
         v = linear_fp8.Variant(n, k, "bfloat16", (128, 128), ue8m0=True)
         out[f"linear[{label}, FP8]"] = ("linear", ex("linear", v), n * k + n * k // 16384 + 2 * (t * k + t * n),
                                          2 * t * n * k)
+    for k in (H, 8192):  # the FP8 projections' activations, quantized per 1x128 (codes and fp32 scales written)
+        out[f"act_quant[1x128 of {k}]"] = ("act_quant", ex("act_quant", act_quant.Variant(k, 128, "bfloat16", True)),
+                                           t * k * 3 + t * k // 128 * 4, 0)
     for fp4 in (False, True):
         args = ex("moe_experts", moe_experts.Variant(2 * I, H, E, "bfloat16", fp4=fp4))
+        if args is None:
+            continue
         top_k = args[2].shape[1]
-        hit = int(args[2].unique().numel())
+        hit = E if device == "meta" else int(args[2].unique().numel())
         per_value = (0.5 + 1 / 32) if fp4 else 2  # FP4 e2m1 + one ue8m0 byte per 32, or bf16
         out[f"moe_experts[256 x (4096x4096 + 4096x2048), top {top_k}{', FP4' if fp4 else ''}]"] = (
             "moe_experts", args, int(hit * 3 * I * H * per_value) + 4 * t * H, 2 * t * top_k * 3 * I * H)
-    return out
+    return {label: case for label, case in out.items() if case[1] is not None}
 
 
-def attention_cases(t: int) -> dict:
+def attention_cases(t: int, device: str = "cuda", wanted: set[str] | None = None) -> dict:
     """Attention over the window (128) plus the compressed entries a query sees at 4K and 64K context (the
     op's `example` with that many KV rows per query)."""
     from tilekernels.ops import DECLARED, sparse_attention
 
     out = {}
+    if wanted is not None and "sparse_attention" not in wanted:
+        return out
     for ctx, rows in (("4K CSA", 128 + 512), ("4K HCA", 128 + 4096 // 128), ("64K CSA", 128 + 512),
                       ("64K HCA", 128 + 65536 // 128)):
-        args = DECLARED["sparse_attention"].example(sparse_attention.Variant(NH, D, "bfloat16"), t, "cuda", kv_rows=rows)
+        args = DECLARED["sparse_attention"].example(sparse_attention.Variant(NH, D, "bfloat16"), t, device,
+                                                  kv_rows=rows)
         bytes_ = t * rows * D * 2 + 2 * t * NH * D * 2
         out[f"sparse_attention[{ctx}: {rows} rows]"] = ("sparse_attention", args, bytes_, 4 * t * NH * rows * D)
     return out
@@ -155,7 +167,7 @@ def main() -> None:
     print("| op | tokens | ours ms | torch ms | ours GB/s | of copy BW | ours TFLOP/s | vs torch |")
     print("|---|---|---|---|---|---|---|---|")
     for t in [int(x) for x in args.tokens.split(",")]:
-        todo = {**cases(t), **attention_cases(t)}
+        todo = {**cases(t, wanted=wanted), **attention_cases(t, wanted=wanted)}
         for label, (name, call_args, nbytes, flops) in todo.items():
             if wanted and name not in wanted:
                 continue

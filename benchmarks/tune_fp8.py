@@ -1,7 +1,10 @@
 """Tile configs of the sm90 FP8 block-scaled GEMM at V4-Flash shapes, against cuBLAS bf16 and torch's own FP8
 scaled matmul (where this torch offers block scales on the GPU), on the H200:
 
-    python benchmarks/tune_fp8.py [--rows 4096] [--json OUT.json]
+    python benchmarks/tune_fp8.py [--rows 4096] [--json OUT.json] [--ue8m0]
+
+`--ue8m0`: the weight scales as V4's checkpoints keep them (exponent bytes, activations scaled by powers of two),
+the variant the engine runs; without it fp32 scales.
 
 Prints TFLOP/s per (shape, config); the best goes into `tilekernels/ops/linear_fp8.py`'s sm90 config.
 """
@@ -46,6 +49,8 @@ CONFIGS = {  # label: linear_fp8.Config fields (r: warpgroups split the tile by 
                                         chain=8, cluster=2),
     "128x128 s4 t256 r ws c4 cl2": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
                                         chain=4, cluster=2),
+    # linear_fp8.py's sm90 config as the engine runs it: x2 above, the ws c8 p132 body where K <= 2,048
+    "sm90 config": dict(block_m=128, block_n=256, stages=3, threads=256, full_rows=True, slices=2, short_k=2048),
     "128x128 s4 t256 r ws c8 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
                                              ws=True, chain=8, cluster=2, programs=128),  # 64 pairs surely resident
     "128x128 s4 t256 r ws c4 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
@@ -86,9 +91,10 @@ def _compile(job: tuple) -> str:
     from tilekernels.lang import Facade
     from tilekernels.ops import linear_fp8
 
-    label, fields, n, k, groups = job
+    label, fields, n, k, groups, ue8m0 = job
     target = backends.get("sm90")
-    func = linear_fp8.body_native(Facade(target.traits), linear_fp8.Variant(n, k, "bfloat16", (128, 128), groups),
+    func = linear_fp8.body_native(Facade(target.traits),
+                                  linear_fp8.Variant(n, k, "bfloat16", (128, 128), groups, ue8m0=ue8m0),
                                   linear_fp8.Config(**fields))
     try:
         tl.tilelang().compile(func, target=target.tvm_target, execution_backend="tvm_ffi")
@@ -113,12 +119,14 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", default=None, help="comma-separated config labels (default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="compile the kernels in this many processes first")
+    parser.add_argument("--ue8m0", action="store_true", help="exponent-byte weight scales (the engine's variant)")
     args = parser.parse_args()
     configs = {k: v for k, v in CONFIGS.items() if not args.only or k in args.only.split(",")}
     if args.jobs > 1:
         os.environ["TILELANG_DISABLE_CACHE"] = "0"  # the workers' builds, found again by the timing loop
         os.environ.setdefault("TILELANG_CACHE_DIR", "/tmp/tune-fp8-tilelang")
-        precompile([(label, f, n, k, g) for _, n, k, g in SHAPES for label, f in configs.items()], args.jobs)
+        precompile([(label, f, n, k, g, args.ue8m0) for _, n, k, g in SHAPES for label, f in configs.items()],
+                   args.jobs)
     import backends
     from backends import tl
     from benchmarks.kernels import time_fn
@@ -133,7 +141,7 @@ def main() -> None:
     for name, n, k, groups in SHAPES:
         x = torch.randn(m, groups, k, device="cuda", dtype=torch.bfloat16).squeeze(1)
         w = quantize(torch.randn(groups * n, k, device="cuda") / k**0.5, "fp8", (128, 128))
-        a8, sa = act_quant.reference(x.reshape(-1, k), 128, False)
+        a8, sa = act_quant.reference(x.reshape(-1, k), 128, args.ue8m0)
         a2 = a8.view(torch.uint8).view(m, groups * k)
         sa2 = sa.view(m, -1).contiguous()
         flops = 2 * m * n * k * groups
@@ -149,16 +157,17 @@ def main() -> None:
                 ms, _ = time_fn(fn)
                 row["torch_fp8_tflops"] = flops / ms / 1e9
             print(f"  torch FP8: {how} {row.get('torch_fp8_tflops', 0):.0f} TFLOP/s", flush=True)
-        want = linear_fp8.emulated(x.view(m, groups, k) if groups > 1 else x, w, groups).float()
+        wq = w.with_exponent_bytes() if args.ue8m0 else w  # the weight as the kernels read it
+        want = linear_fp8.emulated(x.view(m, groups, k) if groups > 1 else x, wq, groups).float()
         row["configs"] = []
         for label, fields in configs.items():
             cfg = linear_fp8.Config(**fields)
-            v = linear_fp8.Variant(n, k, "bfloat16", (128, 128), groups)
+            v = linear_fp8.Variant(n, k, "bfloat16", (128, 128), groups, ue8m0=args.ue8m0)
             try:
                 func = linear_fp8.body_native(Facade(target.traits), v, cfg)
                 kern = tilelang.compile(func, target=target.tvm_target, execution_backend="tvm_ffi")
                 c = torch.empty(m, groups * n, device="cuda", dtype=torch.bfloat16)
-                call = lambda: kern(a2, sa2, w.values.view(torch.uint8), w.scales, c)  # noqa: E731
+                call = lambda: kern(a2, sa2, wq.values.view(torch.uint8), wq.scales, c)  # noqa: E731
                 ms, _ = time_fn(call)
                 err = (c.float().view_as(want) - want).abs().max().item() / want.abs().max().item()
                 row["configs"].append({"config": label, "tflops": flops / ms / 1e9, "rel_err": err})

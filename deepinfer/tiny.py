@@ -7,6 +7,8 @@ Its output is meaningless text: it exists so that the engine runs end to end wit
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from deepinfer.config import ModelConfig
@@ -53,11 +55,17 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Deterministic random weights for every tensor of `cfg` (canonical names), generated on `device`: the
     target's, then its MTP draft layers' (when the config has them; the target's values are the same either way)."""
+    return dict(iter_random_tensors(cfg, seed, dtype, device))
+
+
+def iter_random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """`random_tensors` one (name, tensor) at a time, the same values in the same order: a consumer that converts
+    each tensor (the quantized slice on an 80 GB GPU) never holds the whole set in full precision."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
     for name, spec in {**tensor_specs(cfg), **mtp_tensor_specs(cfg)}.items():
         if spec.kind == INT:
-            out[name] = torch.randint(0, cfg.n_routed_experts, spec.shape, generator=gen, device=device)
+            yield name, torch.randint(0, cfg.n_routed_experts, spec.shape, generator=gen, device=device)
             continue
         leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
         target = torch.float32 if spec.kind == FP32 else dtype
@@ -70,5 +78,5 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
             t = 0.5 * t
         else:
             t = 0.02 * t
-        out[name] = t
-    return out
+        yield name, t
+        del t  # before the next one is made: a consumer that dropped it holds no second full-precision tensor

@@ -7,7 +7,8 @@ minutes of device time). On the GPU host, after `source .gpu-host/setup.sh`:
 Tags: `default` (the embedded tiny model, both modes), `tiny` (the test configs TINY_A/B, MTP and DSpark ones, both
 modes), `tinyq` (TINY_A with FP8/FP4 weights kept), `v41` (the V4.1 fixtures, fixture a quantized too), `slice` (the
 V4-Flash slice, bf16), `slice-invariant` (its batch-invariant variants), `qslice` (the slice quantized), `kernels`
-(what `tests/gpu/test_kernels_gpu.py` launches: every V4-Flash op at its widths, recorded on meta tensors). Jobs:
+(what `tests/gpu/test_kernels_gpu.py` launches: every V4-Flash op at its widths, recorded on meta tensors), `bench`
+(what `benchmarks/kernels.py` launches at its default token counts, recorded the same way). Jobs:
 min(16, cores); the cache is `DEEPINFER_CACHE_DIR`'s.
 
 It also runs on a machine without a GPU (nvcc builds the same libraries): build there, carry the cache compressed
@@ -22,7 +23,7 @@ import os
 import sys
 import time
 
-TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels")
+TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels", "bench")
 
 
 def kernel_test_items() -> list[tuple]:
@@ -45,6 +46,19 @@ def kernel_test_items() -> list[tuple]:
         if name == "rope" and variant.norm:  # the test's call: in place, normalised
             getattr(ops, name)(*args[:5], inplace=True, norm_eps=args[6])
         else:
+            getattr(ops, name)(*args)
+    return list(recorder.seen)
+
+
+def kernel_bench_items(tokens: tuple[int, ...] = (1, 8, 64, 128, 256, 4096)) -> list[tuple]:
+    """The (op, kernel, variant) items `benchmarks/kernels.py` launches at `tokens`, recorded on meta tensors."""
+    from benchmarks.kernels import attention_cases, cases
+    from tilekernels.kernels import Recorder, table
+
+    recorder = Recorder()
+    ops = table(recorder)
+    for t in tokens:
+        for name, args, _, _ in {**cases(t, "meta"), **attention_cases(t, "meta")}.values():
             getattr(ops, name)(*args)
     return list(recorder.seen)
 
@@ -82,6 +96,8 @@ def items_for(tag: str) -> list[tuple]:
         return out
     if tag == "kernels":
         return kernel_test_items()
+    if tag == "bench":
+        return kernel_bench_items()
     if tag in ("slice", "slice-invariant", "qslice"):
         from benchmarks.decode import SLICE
 

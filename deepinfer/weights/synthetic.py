@@ -14,7 +14,7 @@ written alike: their blocks as the target layers', `e_proj` / `h_proj` in FP8 to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -121,19 +121,23 @@ V4_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "
                    "expert_dtype": "fp4"}
 
 
-def quantize_in_memory(tensors: Mapping[str, torch.Tensor], quantization_config: Mapping[str, Any]) -> dict:
-    """Canonical-name tensors -> the same with the checkpoint's quantized ones as `BlockQuantized` (ue8m0 scales
-    as exponent bytes), exactly what the loader keeps with `--quantization auto`, made on the tensors' own
-    device (benchmarks generate the V4-Flash slice on the GPU this way). Each input tensor is replaced as soon
-    as its quantized form exists, so the peak is one tensor's worth of scratch."""
+def quantize_in_memory(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       quantization_config: Mapping[str, Any]) -> dict:
+    """Canonical-name tensors (a mapping, or (name, tensor) pairs as `tiny.iter_random_tensors` makes them) -> the
+    same with the checkpoint's quantized ones as `BlockQuantized` (ue8m0 scales as exponent bytes), exactly what
+    the loader keeps with `--quantization auto`, made on the tensors' own device (benchmarks generate the V4-Flash
+    slice on the GPU this way). Each tensor is quantized as it comes: given pairs, no more than one tensor is ever
+    held in full precision (the slice's 68 GB of bf16 would not fit next to its scratch on an 80 GB GPU)."""
     from deepinfer.weights.quant import checkpoint_format
 
-    out = dict(tensors)
-    for name in list(out):
+    out = {}
+    for name, tensor in (tensors.items() if isinstance(tensors, Mapping) else tensors):
         fmt = checkpoint_format(name, quantization_config)
         if fmt is None:
+            out[name] = tensor
             continue
         form, block, ue8m0 = fmt
-        q = quantize(out.pop(name), form, block, pow2_scales=ue8m0)
+        q = quantize(tensor, form, block, pow2_scales=ue8m0)
+        del tensor
         out[name] = q.with_exponent_bytes() if ue8m0 else q
     return out

@@ -130,6 +130,26 @@ def test_quantizing_in_memory_gives_what_the_loader_keeps(tmp_path):
         assert torch.equal(a.scales.view(torch.uint8), b.scales.contiguous().view(torch.uint8))
 
 
+def test_quantizing_generated_pairs_equals_quantizing_the_whole_set():
+    """The decode benchmark's quantized slice is made one generated tensor at a time (`iter_random_tensors` into
+    `quantize_in_memory`): the same names, values and scales as generating every tensor first."""
+    from deepinfer.tiny import iter_random_tensors
+    from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory
+
+    cfg = tiny_config()
+    whole = random_tensors(cfg, seed=5)
+    assert list(dict(iter_random_tensors(cfg, seed=5))) == list(whole)
+    made = quantize_in_memory(iter_random_tensors(cfg, seed=5), V4_QUANTIZATION)
+    want = quantize_in_memory(whole, V4_QUANTIZATION)
+    assert list(made) == list(want) and any(isinstance(t, BlockQuantized) for t in made.values())
+    for name, t in made.items():
+        if isinstance(t, BlockQuantized):
+            assert torch.equal(t.values.view(torch.uint8), want[name].values.view(torch.uint8))
+            assert torch.equal(t.scales.view(torch.uint8), want[name].scales.view(torch.uint8))
+        else:
+            assert torch.equal(t, want[name])
+
+
 def test_fp32_fp4_scales_become_exponent_bytes_at_load(tmp_path):
     """FP4 experts whose checkpoint scales are fp32 powers of two are kept with the exponent bytes the FP4
     kernels read (converted once at load, same logits); other fp32 scales cannot be kept as FP4: named, and
