@@ -18,6 +18,12 @@ clusters of two CTAs that share the A tile by TMA multicast (`cluster`: the same
 
 from tilekernels.op import require
 
+# The short-K prefill shapes' config (`Config.short_k`): 128x128 tiles, the ws body in chains of 8 K blocks, a
+# persistent grid of one program per SM (132 on the H100 / H200). On the H200 (`benchmarks/tune_fp8.py`, BENCHMARKS.md
+# "Native FP8 / FP4 weights, third round") it beat the 128x256 sliced tile where K is 1,024-2,048 (q_b 734 against 685
+# TFLOP/s, the shared experts' down 888 against 806) and lost where K is 8,192 (o_b 1,031 against 1,135).
+SHORT_K = dict(block_n=128, stages=4, slices=0, ws=True, chain=8, programs=132)
+
 
 def body(P, v, cfg):
     """The variant `cfg` asks for (`ws`, else `slices`), or `linear_fp8.body_native` without these fields where
@@ -27,6 +33,9 @@ def body(P, v, cfg):
 
     from tilekernels.ops import linear_fp8 as lf
 
+    if cfg.short_k and v.k <= cfg.short_k and not v.narrow and v.split_k == 1 and v.groups == 1 \
+            and v.block[0] % SHORT_K["block_n"] == 0:
+        cfg = replace(cfg, short_k=0, **SHORT_K)
     BM, BN, NT, BK, KT, KB, out_dtype, threads = lf._geometry(v, cfg)
     groups_ok = v.groups == 1 or v.n % v.block[0] == 0  # no tile straddles two groups' scale blocks
     if cfg.ws and groups_ok and v.block[0] % BN == 0 and threads % 128 == 0 and BM == 64 * (threads // 128):
