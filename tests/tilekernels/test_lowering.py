@@ -76,6 +76,8 @@ ODD = {
     ("sparse_attention", "combine"): _ODD_ATTENTION,
     ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
     ("compress_ring", "compress_ring"): compress_ring.Variant(4, 8, 12, 200, "bfloat16"),  # partial blocks, overlap
+    # prefill rows: the NVIDIA row-tile override (act_quant_nvidia) at V4.1's groups of 32
+    ("act_quant", "act_quant"): act_quant.Variant(1024, 32, "bfloat16", pow2=True, wide=True),
 }
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.

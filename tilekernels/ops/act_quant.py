@@ -13,10 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from tilekernels import dtypes, fp8
-from tilekernels.op import Kernel, OpDecl, require
+from tilekernels.op import Kernel, OpDecl, Override, require
+from tilekernels.ops import act_quant_nvidia
 from tilekernels.quant import FP8_MAX
 
 AMAX_FLOOR = 1e-4  # DeepSeek's clamp: an all-zero group still gets a finite scale
+WIDE_ROWS = 128  # up to this many rows (decode) the portable body's program per group is as fast or faster (H100:
+#                  9.1 against 15.2 us at one row; `benchmarks/kernels.py --ops act_quant`)
 
 
 def reference(x: torch.Tensor, group: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,11 +40,13 @@ class Variant:
     group: int  # columns per scale
     dtype: str  # the activations' dtype
     pow2: bool = False  # ue8m0 scales: powers of two
+    wide: bool = False  # more than WIDE_ROWS rows (prefill): the NVIDIA override's row tiles
 
 
 @dataclass(frozen=True)
 class Config:
     threads: int = 128
+    rows: int = 32  # NVIDIA override (`act_quant_nvidia`): rows per CTA
 
 
 def body(P, v: Variant, cfg: Config):
@@ -81,11 +86,13 @@ def body(P, v: Variant, cfg: Config):
     return kernel
 
 
-KERNEL = Kernel("act_quant", body, configs={"default": Config(), "c": Config(threads=1)})
+KERNEL = Kernel("act_quant", body, configs={"default": Config(), "c": Config(threads=1)},
+                overrides=(Override("sm90", act_quant_nvidia.fits, act_quant_nvidia.body),
+                           Override("sm100", act_quant_nvidia.fits, act_quant_nvidia.body)))
 
 
 def variant(x: torch.Tensor, group: int, pow2: bool) -> Variant:
-    return Variant(x.shape[-1], group, dtypes.name(x.dtype), pow2)
+    return Variant(x.shape[-1], group, dtypes.name(x.dtype), pow2, x.shape[0] > WIDE_ROWS)
 
 
 def run(launch, x: torch.Tensor, group: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
