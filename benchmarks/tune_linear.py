@@ -6,10 +6,9 @@
 
 Every candidate is first built in parallel (`codegen.driver.build_all`, worker processes) into
 DEEPINFER_CACHE_DIR, then timed (median of CUDA-graph replays, `benchmarks.kernels.time_fn`) through
-`linear.gemm`. `big-*` candidates are override tiles, `pers-*` its persistent warp-specialised form
-(`linear_sm90.body_persistent`: 132 programs, `gN` groups of N row tiles); `current` is linear.py's sm90 selection
-(the override with its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN`
-swizzle panels of N row tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store). Prints ms, TFLOP/s,
+`linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection (the override with
+its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN` swizzle panels of N row
+tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store). Prints ms, TFLOP/s,
 GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
 linear.py's sm90 `Config(large=)`.
 """
@@ -43,11 +42,6 @@ CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's select
     "big-128x256x64-s3-w32-stc": _t(128, 256, 64, 3, 256, 32, True),
     "big-256x128x64-s3-w8": _t(256, 128, 64, 3, 256, 8),
     "big-256x128x64-s3-w8-stc": _t(256, 128, 64, 3, 256, 8, True),
-    # linear_sm90.body_persistent: 132 programs, groups of `panel` row tiles, chains of 16 K blocks
-    "pers-128x256x64-s4-g8": dict(_t(128, 256, 64, 4, 256, 8), programs=132, chain=16),
-    "pers-128x256x64-s3-g8": dict(_t(128, 256, 64, 3, 256, 8), programs=132, chain=16),
-    "pers-128x256x64-s4-g16": dict(_t(128, 256, 64, 4, 256, 16), programs=132, chain=16),
-    "pers-128x128x64-s6-g8": dict(_t(128, 128, 64, 6, 256, 8), programs=132, chain=16),
     "current": None,
     "portable": None,
 }

@@ -23,8 +23,6 @@ class Tiles:
     threads: int = 256
     panel: int = 8
     stage_c: bool = True
-    programs: int = 0  # > 0: `body_persistent` on a grid of this many programs (then `panel`: row tiles per group)
-    chain: int = 16  # body_persistent: K blocks per unrolled chain of wgmmas in flight (drained between chains)
 
 
 def supports(v) -> bool:
@@ -38,8 +36,6 @@ def body(P, v, cfg, tiles: Tiles | None = None):
 
     T = P.T
     t = tiles or cfg.large
-    if t.programs:
-        return body_persistent(P, v, t)
     N, K, dtype = v.n, v.k, v.dtype
     BN, NT = edge_tile(N, t.block_n)
     BK, KT = edge_tile(K, t.block_k)
@@ -64,81 +60,5 @@ def body(P, v, cfg, tiles: Tiles | None = None):
                 T.copy(c_s, C[by * BM, bx * BN])
             else:
                 T.copy(acc, C[by * BM, bx * BN])
-
-    return kernel
-
-
-def body_persistent(P, v, t: Tiles):
-    """A persistent, explicitly warp-specialised form (a candidate of `benchmarks/tune_linear.py`): `t.programs`
-    programs walk the output tiles in groups of `t.panel` row tiles (a column tile's weights read once per group,
-    the group's rows kept in L2); a producer warpgroup loads each K block by TMA into `t.stages` slots with its own
-    full / empty barriers and runs ahead into the program's next tile while the consumers finish and store the
-    last one; the consumers keep one wgmma in flight (block k issued, then block k-1 waited for and its slot
-    released), in unrolled chains of `t.chain` K blocks (ptxas serialises wgmmas left in flight across a loop's
-    back edge)."""
-    from tilekernels.ops.linear import edge_tile
-
-    T = P.T
-    N, K, dtype = v.n, v.k, v.dtype
-    BN, NT = edge_tile(N, t.block_n)
-    BK, KT = edge_tile(K, t.block_k)
-    BM, ST, GM, threads, grid = t.block_m, t.stages, max(t.panel, 1), t.threads, t.programs
-    U = min(t.chain, KT)
-    M = T.dynamic("M")
-    policy = T.GemmWarpPolicy.FullRow
-
-    def tile_of(i, MT):
-        # groups of GM row tiles (the last one shorter); within a group the row tile moves fastest
-        group = i // (GM * NT)
-        rows = T.min(GM, MT - group * GM)
-        within = i - group * GM * NT
-        return (group * GM + within % rows) * BM, within // rows * BN
-
-    @T.macro
-    def chain(a_s, b_s, acc, full, empty, it0, length: int):
-        for u in list(range(length)):  # unrolled while the IR is built
-            it = it0 + u
-            T.mbarrier_wait_parity(full[it % ST], (it // ST) % 2)
-            T.wgmma_gemm(a_s[it % ST, :, :], b_s[it % ST, :, :], acc, transpose_B=True, clear_accum=False,
-                         policy=policy)
-            if u > 0:
-                T.wait_wgmma(1)
-                T.mbarrier_arrive(empty[(it - 1) % ST])
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(acc, num_regs=BM * BN // threads)
-        T.mbarrier_arrive(empty[(it0 + length - 1) % ST])
-
-    @T.prim_func
-    def kernel(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
-        MT = T.ceildiv(M, BM)
-        tiles = MT * NT
-        with T.Kernel(T.min(tiles, grid), threads=threads + 128) as pid:
-            a_s = T.alloc_shared((ST, BM, BK), dtype)
-            b_s = T.alloc_shared((ST, BN, BK), dtype)
-            full = T.alloc_barrier([128] * ST)
-            empty = T.alloc_barrier([threads] * ST)
-            acc = T.alloc_fragment((BM, BN), "float32")
-            tx = T.get_thread_binding()
-            count = T.ceildiv(tiles - pid, grid)
-            if tx >= threads:
-                T.dec_max_nreg(24)
-                for r in T.serial(count):
-                    m0, n0 = tile_of(pid + r * grid, MT)
-                    for kk in T.serial(KT):
-                        it = r * KT + kk
-                        T.mbarrier_wait_parity(empty[it % ST], (it // ST) % 2 ^ 1)
-                        T.tma_copy(A[m0:m0 + BM, kk * BK:kk * BK + BK], a_s[it % ST, :, :], barrier=full[it % ST])
-                        T.tma_copy(W[n0:n0 + BN, kk * BK:kk * BK + BK], b_s[it % ST, :, :], barrier=full[it % ST])
-                        T.mbarrier_arrive(full[it % ST])
-            else:
-                T.inc_max_nreg(240)
-                for r in T.serial(count):
-                    m0, n0 = tile_of(pid + r * grid, MT)
-                    T.clear(acc)
-                    for c in T.serial(KT // U):
-                        chain(a_s, b_s, acc, full, empty, r * KT + c * U, U)
-                    if KT % U:
-                        chain(a_s, b_s, acc, full, empty, r * KT + KT - KT % U, KT % U)
-                    T.copy(acc, C[m0, n0])
 
     return kernel
