@@ -21,7 +21,8 @@ from tilekernels.op import require
 # The short-K prefill shapes' config (`Config.short_k`): 128x128 tiles, the ws body in chains of 8 K blocks, a
 # persistent grid of one program per SM (132 on the H100 / H200). On the H200 (`benchmarks/tune_fp8.py`, BENCHMARKS.md
 # "Native FP8 / FP4 weights, third round") it beat the 128x256 sliced tile where K is 1,024-2,048 (q_b 734 against 685
-# TFLOP/s, the shared experts' down 888 against 806) and lost where K is 8,192 (o_b 1,031 against 1,135).
+# TFLOP/s, the shared experts' down 888 against 806) and lost where K is 8,192 (o_b 1,031 against 1,135); on the H100
+# with V4's exponent-byte scales (`tune_fp8.py --ue8m0`, "Twelfth round") q_b 693 against 600, down 797 against 776.
 SHORT_K = dict(block_n=128, stages=4, slices=0, ws=True, chain=8, programs=132)
 
 
