@@ -79,6 +79,18 @@ def test_act_quant_bytes_equal_torch_at_v4_widths(rows, sm90_ops, cuda):
                 assert (step[~same] <= 0.126).all()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_act_quant_row_tiles_at_v41_groups_and_the_first_wide_row_count(dtype, sm90_ops, cuda):
+    """The row-tile override at V4.1's groups of 32 (ue8m0) and 129 rows (one row past WIDE_ROWS: a last tile of one
+    row): bytes and scales equal torch's."""
+    torch.manual_seed(1)
+    args = act_quant.example(act_quant.Variant(1024, 32, dtype, True), act_quant.WIDE_ROWS + 1, cuda)
+    codes, scales = sm90_ops.act_quant(*args)
+    want_codes, want_scales = act_quant.reference(*args)
+    torch.testing.assert_close(scales, want_scales, rtol=0, atol=0)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
 def test_fp8_projection_replays_from_a_cuda_graph(sm90_ops, cuda):
     torch.manual_seed(5)
     v = linear_fp8.Variant(1024, 4096, "bfloat16", (128, 128), ue8m0=True)

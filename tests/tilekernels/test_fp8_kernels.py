@@ -143,3 +143,47 @@ def test_quantized_tiny_model_through_the_kernels_equals_its_w8a8_reference(ops,
     scale = want.abs().max().item()
     assert (diff <= 1e-5 * scale).float().mean() >= 0.5
     assert diff.max().item() <= 1e-2 * scale
+
+
+def test_act_quant_takes_the_row_tile_override_at_prefill_rows_and_whole_groups_only():
+    """`run` picks the wide variant above WIDE_ROWS rows; NVIDIA targets take `act_quant_nvidia` for it when the
+    groups tile K, the portable body otherwise (decode rows, a ragged last group, every other target)."""
+    import dataclasses
+
+    from tilekernels.ops import act_quant_nvidia
+
+    def rows(m):
+        return act_quant.variant(torch.empty(m, 4096, dtype=torch.bfloat16, device="meta"), 128, True)
+
+    assert not rows(act_quant.WIDE_ROWS).wide and rows(act_quant.WIDE_ROWS + 1).wide
+    wide = rows(4096)
+    for target in ("sm90", "sm100"):
+        assert act_quant.KERNEL.body_for(target, wide) is act_quant_nvidia.body
+        assert act_quant.KERNEL.body_for(target, dataclasses.replace(wide, wide=False)) is act_quant.body
+        assert act_quant.KERNEL.body_for(target, dataclasses.replace(wide, k=100, group=32)) is act_quant.body
+    for target in ("ascend", "c"):
+        assert act_quant.KERNEL.body_for(target, wide) is act_quant.body
+
+
+def test_short_k_fp8_prefill_variants_take_the_persistent_warp_specialised_body(monkeypatch):
+    """sm90's FP8 config sends prefill variants with K <= short_k (and 16-byte rows for its TMA copies) to `body_ws`
+    at 128x128 tiles on 132 programs; longer K, grouped, narrow, V4.1's 32x32 blocks and odd K keep the others."""
+    from tilekernels.ops import linear_fp8_sm90
+
+    taken = []
+    monkeypatch.setattr(linear_fp8_sm90, "body_ws", lambda P, v, cfg: taken.append(("ws", cfg)) or "ws")
+    monkeypatch.setattr(linear_fp8_sm90, "body_sliced", lambda P, v, cfg: taken.append(("sliced", cfg)) or "sliced")
+    monkeypatch.setattr(linear_fp8, "body_native", lambda P, v, cfg: taken.append(("native", cfg)) or "native")
+    cfg = linear_fp8.KERNEL.config("sm90")
+    q_b = linear_fp8.Variant(32768, 1024, "bfloat16", (128, 128), ue8m0=True)
+    assert linear_fp8_sm90.body(None, q_b, cfg) == "ws"
+    assert (taken[-1][1].programs, taken[-1][1].block_n, taken[-1][1].chain) == (132, 128, 8)
+    import dataclasses
+
+    others = {"long K": linear_fp8.Variant(4096, 8192, "bfloat16", (128, 128), ue8m0=True),
+              "grouped": linear_fp8.Variant(1024, 1024, "bfloat16", (128, 128), groups=8, ue8m0=True),
+              "narrow": dataclasses.replace(q_b, narrow=True),
+              "V4.1 blocks": linear_fp8.Variant(4096, 2048, "bfloat16", (32, 32), ue8m0=True),
+              "odd K": linear_fp8.Variant(144, 20, "bfloat16", (128, 128), ue8m0=True)}
+    for name, v in others.items():
+        assert linear_fp8_sm90.body(None, v, cfg) != "ws", name

@@ -76,8 +76,6 @@ ODD = {
     ("sparse_attention", "combine"): _ODD_ATTENTION,
     ("compress_pool", "compress_pool"): compress_pool.Variant(8, 100, "bfloat16"),  # a partial channel block
     ("compress_ring", "compress_ring"): compress_ring.Variant(4, 8, 12, 200, "bfloat16"),  # partial blocks, overlap
-    # prefill rows: the NVIDIA row-tile override (act_quant_nvidia) at V4.1's groups of 32
-    ("act_quant", "act_quant"): act_quant.Variant(1024, 32, "bfloat16", pow2=True, wide=True),
 }
 # V4.1's ratio-2 compressors project in fp32 (K 5120): on sm100 tcgen05 takes no fp32 inputs (registers
 # accumulate), on sm90 the tiles' K depth halves to fit shared memory.
@@ -94,12 +92,16 @@ INPLACE = {"inplace": rope.Variant(64, 512, 64, "bfloat16", inverse=True, inplac
            "norm": rope.Variant(64, 512, 64, "bfloat16", inplace=True, norm=True)}
 # (the odd widths of the attention's `whole` kernel and of RoPE's norm form lower for every target in
 # tests/compile/test_every_config_lowers.py: ODD_A's plan launches both)
+# Prefill rows of act_quant: the NVIDIA row-tile override (act_quant_nvidia), V4.1's groups of 32, both CUDA targets
+WIDE = {("act_quant", "act_quant"): act_quant.Variant(1024, 32, "bfloat16", pow2=True, wide=True)}
 ALL = ([(case, v) for case, v in CASES.items()] + [(case, v) for case, v in ODD.items()]
        + [(case, v) for case, v in FP32.items()] + [(case, v) for case, v in KEYS.items()]
-       + [(case, v) for case, v in SWAPPED.items()] + [(("rope", "rope"), v) for v in INPLACE.values()])
+       + [(case, v) for case, v in SWAPPED.items()] + [(("rope", "rope"), v) for v in INPLACE.values()]
+       + [(case, v) for case, v in WIDE.items()])
 IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
        + [f"{c[0]}.{c[1]}-fp32" for c in FP32] + [f"{c[0]}.{c[1]}-keys" for c in KEYS]
-       + [f"{c[0]}.{c[1]}-swapped" for c in SWAPPED] + [f"rope.rope-{label}" for label in INPLACE])
+       + [f"{c[0]}.{c[1]}-swapped" for c in SWAPPED] + [f"rope.rope-{label}" for label in INPLACE]
+       + [f"{c[0]}.{c[1]}-wide" for c in WIDE])
 
 
 # hc_pre's norm form (the collapse RMS-normalized in the finish): V4-Flash's width, and a ragged one (chunks of 512)

@@ -1,11 +1,12 @@
-"""NVIDIA (sm90, sm100) override of `act_quant`: a tile of `Config.rows` rows x one group per CTA, loaded with one
-bulk copy (rows past M read as zeros and are not stored), the groups' max magnitudes in one row reduction of a
-register tile, and the codes staged in shared memory for one bulk store. The portable body runs one program per
-(row, group) with a block-wide reduction each: at prefill sizes (4,096 rows of 8,192 columns: 262,144 programs)
-it ran ~7x under the copy bandwidth (`benchmarks/kernels.py`, BENCHMARKS.md). Same arithmetic as the portable
-body (`fp8.encode`, `fp8.pow2_ceil`): the bytes and scales are equal, which the op's exact tolerance checks.
-It takes prefill rows only (`Variant.wide`: at 1-128 rows the portable body was as fast or faster) and groups that
-tile K exactly (V4's and V4.1's projections do); a ragged last group keeps the portable body."""
+"""NVIDIA (sm90, sm100) override of `act_quant`: a tile of `Config.rows` rows x one group per CTA, staged in shared
+memory by 16-byte vector loads (rows past M read as zeros and are not stored), the groups' max magnitudes in one
+row reduction of a register tile, and the codes staged in shared memory for one bulk (TMA) store. The portable
+body runs one program per (row, group) with a block-wide reduction each: at prefill sizes (4,096 rows of 8,192
+columns: 262,144 programs) it ran ~7x under the copy bandwidth (`benchmarks/kernels.py`, BENCHMARKS.md). Same
+arithmetic as the portable body (`fp8.encode`, `fp8.pow2_ceil`): the bytes and scales are equal, which the op's
+exact tolerance checks. It takes prefill rows only (`Variant.wide`: at 1-128 rows the portable body was as fast
+or faster but at 128 rows of 8,192) and groups that tile K exactly (V4's and V4.1's projections do); a ragged last
+group keeps the portable body."""
 
 
 def fits(v) -> bool:

@@ -23,6 +23,8 @@ from tilekernels.op import require
 # "Native FP8 / FP4 weights, third round") it beat the 128x256 sliced tile where K is 1,024-2,048 (q_b 734 against 685
 # TFLOP/s, the shared experts' down 888 against 806) and lost where K is 8,192 (o_b 1,031 against 1,135); on the H100
 # with V4's exponent-byte scales (`tune_fp8.py --ue8m0`, "Twelfth round") q_b 693 against 600, down 797 against 776.
+# It also serves the middle row bucket (65-511 rows, not narrow): q_b at 128 rows 0.0255 against 0.0282 ms, at 256
+# 0.0431 against 0.0451 (`kernels.py`, H100).
 SHORT_K = dict(block_n=128, stages=4, slices=0, ws=True, chain=8, programs=132)
 
 
@@ -34,12 +36,14 @@ def body(P, v, cfg):
 
     from tilekernels.ops import linear_fp8 as lf
 
+    tma_ok = v.k % 16 == 0  # body_ws's explicit TMA copies need 16-byte row strides (odd K: a tiny config's)
     if cfg.short_k and v.k <= cfg.short_k and not v.narrow and v.split_k == 1 and v.groups == 1 \
-            and v.block[0] % SHORT_K["block_n"] == 0:
+            and v.block[0] % SHORT_K["block_n"] == 0 and tma_ok:
         cfg = replace(cfg, short_k=0, **SHORT_K)
     BM, BN, NT, BK, KT, KB, out_dtype, threads = lf._geometry(v, cfg)
     groups_ok = v.groups == 1 or v.n % v.block[0] == 0  # no tile straddles two groups' scale blocks
-    if cfg.ws and groups_ok and v.block[0] % BN == 0 and threads % 128 == 0 and BM == 64 * (threads // 128):
+    if cfg.ws and tma_ok and groups_ok and v.block[0] % BN == 0 and threads % 128 == 0 \
+            and BM == 64 * (threads // 128):
         return body_ws(P, v, cfg)
     S = cfg.slices
     measured = not v.narrow and v.split_k == 1  # the shapes benchmarks/tune_fp8.py measured (prefill rows)
