@@ -6,6 +6,7 @@ left out, so the count is close to, not exactly, the GPU's. A check of a fusion 
 count behind a step's latency at small batch. The step's inputs are the engine's (the host-made rows included).
 
     python benchmarks/decode_launches.py [--batch 1] [--config benchmarks/configs/v4-flash-slice] [--invariant] [--glue]
+                                         [--quantized]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Glue(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(config_dir: Path, batch: int, invariant: bool, glue: Glue | None = None) -> Counter:
+def count(config_dir: Path, batch: int, invariant: bool, glue: Glue | None = None, quantized: bool = False) -> Counter:
     from deepinfer.compile.plan import META, meta_weights
     from deepinfer.model.host_rows import HostRows
     from deepinfer.config import ModelConfig
@@ -64,8 +65,12 @@ def count(config_dir: Path, batch: int, invariant: bool, glue: Glue | None = Non
 
     counts: Counter = Counter()
     cfg = ModelConfig.from_model_dir(config_dir)
+    if quantized:  # V4's FP8 / FP4 formats, kept quantized (as benchmarks/decode.py --quantized runs them)
+        from deepinfer.weights.synthetic import V4_QUANTIZATION
+
+        cfg = ModelConfig.from_dict({**cfg.raw, "quantization_config": V4_QUANTIZATION})
     launcher = Counting(invariant)
-    model = DeepseekV4(cfg, meta_weights(cfg, torch.bfloat16), table(launcher))
+    model = DeepseekV4(cfg, meta_weights(cfg, torch.bfloat16, quantized), table(launcher))
     per_seq = 9  # 1,152 positions a sequence: every compressor's window closes within
     cache = PagedCache(cfg, CacheSpec(num_blocks=batch * per_seq, max_seqs=batch, max_blocks_per_seq=per_seq),
                        torch.bfloat16, META)
@@ -85,9 +90,10 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "benchmarks" / "configs" / "v4-flash-slice"))
     parser.add_argument("--invariant", action="store_true", help="the batch-invariant variants")
     parser.add_argument("--glue", action="store_true", help="also the PyTorch ops between the kernels, by source line")
+    parser.add_argument("--quantized", action="store_true", help="V4's FP8 / FP4 weights kept quantized")
     args = parser.parse_args()
     glue = Glue() if args.glue else None
-    counts = count(Path(args.config), args.batch, args.invariant, glue)
+    counts = count(Path(args.config), args.batch, args.invariant, glue, args.quantized)
     print(f"| op | kernel | launches a decode step (batch {args.batch}) |\n|---|---|---|")
     for (op, kernel), n in sorted(counts.items()):
         print(f"| {op} | {kernel} | {n} |")

@@ -187,3 +187,16 @@ def test_short_k_fp8_prefill_variants_take_the_persistent_warp_specialised_body(
               "odd K": linear_fp8.Variant(144, 20, "bfloat16", (128, 128), ue8m0=True)}
     for name, v in others.items():
         assert linear_fp8_sm90.body(None, v, cfg) != "ws", name
+
+
+def test_a_quantized_slice_decode_step_quantizes_the_activations_of_every_fp8_projection_once():
+    """`benchmarks/decode_launches.py --quantized` on the V4-Flash slice: every FP8 GEMM of a decode step has its
+    own act_quant launch (the count a fusion of the two would remove), and the routed experts run the FP4 kernels."""
+    from benchmarks.decode import SLICE
+    from benchmarks.decode_launches import count
+
+    q, plain = count(SLICE, 1, False, quantized=True), count(SLICE, 1, False)
+    assert q[("act_quant", "act_quant")] == q[("linear", "gemm_fp8")] > 0
+    assert ("act_quant", "act_quant") not in plain and ("linear", "gemm_fp8") not in plain
+    assert not any(op == "moe_experts" and kernel == "grouped_gemm" for op, kernel in q)
+    assert any(op == "moe_experts" and kernel.startswith("grouped_gemm_fp4") for op, kernel in q)
