@@ -166,7 +166,7 @@ def main() -> None:
     from deepinfer.model.model import DeepseekV4
     from deepinfer.model.weights import ModelWeights, tensor_specs
     from deepinfer.runtime.graph import DecodeGraphs
-    from deepinfer.tiny import iter_random_tensors, random_tensors
+    from deepinfer.tiny import random_tensors
     from tilekernels import reference_table
     from tilekernels.kernels import kernel_table
     from tilekernels.ops import hc_mid
@@ -176,11 +176,10 @@ def main() -> None:
     specs = tensor_specs(cfg)
     quantization = None
     if args.quantized:  # each tensor quantized as it is made: the bf16 slice (68 GB) never whole on the GPU
-        from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory
+        from deepinfer.weights.synthetic import V4_QUANTIZATION, random_quantized
 
         quantization = V4_QUANTIZATION
-        tensors = quantize_in_memory(iter_random_tensors(cfg, seed=0, dtype=dtype, device="cuda"), quantization)
-        cfg = ModelConfig.from_dict({**cfg.raw, "quantization_config": quantization})
+        cfg, tensors = random_quantized(cfg, seed=0, dtype=dtype, device="cuda")
     else:
         tensors = random_tensors(cfg, seed=0, dtype=dtype, device="cuda")
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.batch_invariant]

@@ -66,9 +66,9 @@ def count(config_dir: Path, batch: int, invariant: bool, glue: Glue | None = Non
     counts: Counter = Counter()
     cfg = ModelConfig.from_model_dir(config_dir)
     if quantized:  # V4's FP8 / FP4 formats, kept quantized (as benchmarks/decode.py --quantized runs them)
-        from deepinfer.weights.synthetic import V4_QUANTIZATION
+        from deepinfer.weights.synthetic import with_quantization
 
-        cfg = ModelConfig.from_dict({**cfg.raw, "quantization_config": V4_QUANTIZATION})
+        cfg = with_quantization(cfg)
     launcher = Counting(invariant)
     model = DeepseekV4(cfg, meta_weights(cfg, torch.bfloat16, quantized), table(launcher))
     per_seq = 9  # 1,152 positions a sequence: every compressor's window closes within

@@ -159,13 +159,13 @@ def main() -> None:
 
     dtype = torch.bfloat16
     cfg = ModelConfig.from_model_dir(SLICE)
-    tensors = random_tensors(cfg, seed=0, dtype=dtype, device="cuda")
-    if args.quantized:
-        from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory
+    if args.quantized:  # each tensor quantized as it is made (the bf16 slice would not fit beside it on an H100)
+        from deepinfer.weights.synthetic import random_quantized
 
-        cfg = ModelConfig.from_dict({**cfg.raw, "quantization_config": V4_QUANTIZATION})
-        tensors = quantize_in_memory(tensors, V4_QUANTIZATION)
+        cfg, tensors = random_quantized(cfg, seed=0, dtype=dtype, device="cuda")
         prebuild(cfg, False)
+    else:
+        tensors = random_tensors(cfg, seed=0, dtype=dtype, device="cuda")
     weights = ModelWeights.from_tensors(cfg, tensors)
     table = kernel_table("sm90", Env.read().cache_dir)
     calls: list[str] = []

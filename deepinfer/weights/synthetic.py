@@ -121,6 +121,23 @@ V4_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "
                    "expert_dtype": "fp4"}
 
 
+def with_quantization(cfg: ModelConfig, quantization_config: Mapping[str, Any] = V4_QUANTIZATION) -> ModelConfig:
+    """`cfg` declaring the checkpoint quantization `quantization_config` (what a quantized checkpoint's config.json
+    says), so that the loader, the plan and the model keep those tensors quantized."""
+    return ModelConfig.from_dict({**cfg.raw, "quantization_config": dict(quantization_config)})
+
+
+def random_quantized(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+                     quantization_config: Mapping[str, Any] = V4_QUANTIZATION) -> tuple[ModelConfig, dict]:
+    """(`cfg` with the quantization, its random weights quantized): `tiny.random_tensors`' values, each tensor
+    quantized as it is generated on `device` (the benchmarks' V4-Flash slice: its 68 GB of bf16 never whole on an
+    80 GB GPU)."""
+    from deepinfer.tiny import iter_random_tensors
+
+    tensors = quantize_in_memory(iter_random_tensors(cfg, seed, dtype, device), quantization_config)
+    return with_quantization(cfg, quantization_config), tensors
+
+
 def quantize_in_memory(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                        quantization_config: Mapping[str, Any]) -> dict:
     """Canonical-name tensors (a mapping, or (name, tensor) pairs as `tiny.iter_random_tensors` makes them) -> the

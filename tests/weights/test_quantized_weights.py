@@ -131,15 +131,17 @@ def test_quantizing_in_memory_gives_what_the_loader_keeps(tmp_path):
 
 
 def test_quantizing_generated_pairs_equals_quantizing_the_whole_set():
-    """The decode benchmark's quantized slice is made one generated tensor at a time (`iter_random_tensors` into
-    `quantize_in_memory`): the same names, values and scales as generating every tensor first."""
+    """The benchmarks' quantized slice is made one generated tensor at a time (`random_quantized`:
+    `iter_random_tensors` into `quantize_in_memory`): the same names, values and scales as generating every tensor
+    first, and the config declaring the quantization."""
     from deepinfer.tiny import iter_random_tensors
-    from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory
+    from deepinfer.weights.synthetic import V4_QUANTIZATION, quantize_in_memory, random_quantized
 
     cfg = tiny_config()
     whole = random_tensors(cfg, seed=5)
     assert list(dict(iter_random_tensors(cfg, seed=5))) == list(whole)
-    made = quantize_in_memory(iter_random_tensors(cfg, seed=5), V4_QUANTIZATION)
+    qcfg, made = random_quantized(cfg, seed=5, dtype=torch.float32, device="cpu")
+    assert qcfg.raw["quantization_config"] == V4_QUANTIZATION
     want = quantize_in_memory(whole, V4_QUANTIZATION)
     assert list(made) == list(want) and any(isinstance(t, BlockQuantized) for t in made.values())
     for name, t in made.items():
