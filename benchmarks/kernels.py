@@ -1,7 +1,7 @@
 """Each op's TileLang kernels on the GPU at V4-Flash shapes, side by side with torch's own implementation
 (the op's PyTorch reference: cuBLAS for the GEMMs) and the measured HBM copy bandwidth, in one run.
 
-    python benchmarks/kernels.py [--out results.json] [--tokens 1,8,64,256,4096]
+    python benchmarks/kernels.py [--out results.json] [--tokens 1,8,64,128,256,4096]
 
 Times are the median of CUDA-graph replays (eager when a reference cannot be captured), so they measure GPU
 time, not Python dispatch. Bytes are the minimum traffic of the op (each input read once, each output written
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 H, E, K, I, NH, D = 4096, 256, 6, 2048, 64, 512
+TOKENS = (1, 8, 64, 128, 256, 4096)  # the default token counts (tools/gpu_prebuild.py `bench` builds their kernels)
 
 
 def time_fn(fn, iters: int = 30) -> tuple[float, str]:
@@ -146,7 +147,7 @@ def attention_cases(t: int, device: str = "cuda", wanted: set[str] | None = None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,8,64,256,4096")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--out", default=None)
     parser.add_argument("--ops", default=None, help="comma-separated op names to run (default: all)")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")

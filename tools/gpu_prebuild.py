@@ -50,14 +50,15 @@ def kernel_test_items() -> list[tuple]:
     return list(recorder.seen)
 
 
-def kernel_bench_items(tokens: tuple[int, ...] = (1, 8, 64, 128, 256, 4096)) -> list[tuple]:
-    """The (op, kernel, variant) items `benchmarks/kernels.py` launches at `tokens`, recorded on meta tensors."""
-    from benchmarks.kernels import attention_cases, cases
+def kernel_bench_items() -> list[tuple]:
+    """The (op, kernel, variant) items `benchmarks/kernels.py` launches at its default token counts, recorded on meta
+    tensors."""
+    from benchmarks.kernels import TOKENS, attention_cases, cases
     from tilekernels.kernels import Recorder, table
 
     recorder = Recorder()
     ops = table(recorder)
-    for t in tokens:
+    for t in TOKENS:
         for name, args, _, _ in {**cases(t, "meta"), **attention_cases(t, "meta")}.values():
             getattr(ops, name)(*args)
     return list(recorder.seen)
