@@ -22,6 +22,17 @@ PARAMS_FILE = "params.json"
 HOST_FILE = "host_kernel.c"
 BACKEND_FILE = "execution_backend"
 SIGNATURE_FILE = "signature.json"  # the kernel's PrimFunc without its body: what loading a built library needs
+# The one call a kernel body may make ahead of its dependency wait (`dependent_launch`): bytes of global memory
+# warmed into L2 (`tilekernels.l2_prefetch`), nothing read into the kernel.
+PREFETCH_L2 = "deepinfer_prefetch_l2"
+PREFETCH_L2_SOURCE = r"""
+#ifndef DEEPINFER_PREFETCH_L2
+#define DEEPINFER_PREFETCH_L2
+static __device__ __forceinline__ void deepinfer_prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+#endif
+"""
 
 
 def tilelang():
@@ -91,7 +102,9 @@ def dependent_launch(func: Any) -> Any:
     TileLang marks such a kernel, and its runtime launches it with programmatic stream serialization, so in a chain
     of kernels (a decode step's graph) each one's launch and set-up overlap the end of the one before, while no
     memory access moves ahead of the wait: the order of reads and writes between kernels is the stream's, as
-    without it. A kernel launched without the attribute (PyTorch's) waits for the whole kernel before it as usual."""
+    without it. The one exception: the body's leading statements that only call PREFETCH_L2 (weights warmed into
+    L2, nothing read into the kernel) stay ahead of the wait. A kernel launched without the attribute (PyTorch's)
+    waits for the whole kernel before it as usual."""
     tilelang()
     from tilelang.cuda.language.pdl import pdl_sync, pdl_trigger
     from tvm import tirx
@@ -102,7 +115,11 @@ def dependent_launch(func: Any) -> Any:
         if stmt.name_hint != "tilelang_root":
             return None
         frames.append(stmt)
-        body = tirx.SeqStmt([tirx.Evaluate(pdl_sync()), tirx.Evaluate(pdl_trigger()), stmt.body])
+        seq = list(stmt.body.seq) if isinstance(stmt.body, tirx.SeqStmt) else [stmt.body]
+        ahead = 0  # leading L2 prefetches of weights (tilekernels.l2_prefetch) stay ahead of the wait
+        while ahead < len(seq) and _prefetch_only(seq[ahead]):
+            ahead += 1
+        body = tirx.SeqStmt([*seq[:ahead], tirx.Evaluate(pdl_sync()), tirx.Evaluate(pdl_trigger()), *seq[ahead:]])
         return tirx.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
                            stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
 
@@ -110,6 +127,32 @@ def dependent_launch(func: Any) -> Any:
     if len(frames) != 1:
         raise ValueError(f"dependent_launch: expected one kernel frame (`tilelang_root`), found {len(frames)}")
     return func.with_body(body)
+
+
+def _prefetch_only(stmt: Any) -> bool:
+    """Whether `stmt` does nothing but PREFETCH_L2 calls (under conditions): no store, no call but
+    those and the addresses they take, no load but the element an address names."""
+    from tvm import tirx
+
+    calls, loads, addressed, stores = [], [], [], []
+
+    def visit(node):
+        if isinstance(node, tirx.Call):
+            name = getattr(node.op, "name", str(node.op))
+            if name.endswith("call_extern") and node.args and getattr(node.args[0], "value", None) == PREFETCH_L2:
+                calls.append("prefetch")
+            elif name.endswith("address_of"):
+                addressed.extend(a for a in node.args if isinstance(a, tirx.BufferLoad))
+            else:
+                calls.append(name)
+        elif isinstance(node, tirx.BufferLoad):
+            loads.append(node)
+        elif isinstance(node, tirx.BufferStore):
+            stores.append(node)
+
+    tirx.stmt_functor.post_order_visit(stmt, visit)
+    return (calls.count("prefetch") > 0 and all(c == "prefetch" for c in calls) and not stores
+            and len(loads) == len(addressed))
 
 
 def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, source_name: str,

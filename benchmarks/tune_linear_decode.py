@@ -8,8 +8,8 @@ sums included) as the median of CUDA-graph replays of calls over enough weight c
 each weight once): ms per call, GB/s (weights and activations read once, the output written once), the fraction
 of the measured copy bandwidth and the speed-up over cuBLAS. `portable` is the portable narrow body, `current`
 the override with its configured tile; other labels name Tune fields (`m16`: block_m 16, `k128`, `s4`: stages,
-`n128`: block_n, `b0`: min_blocks). Every row count is timed with the swapped variant (the override) and the
-narrow one (the portable body), whichever `linear.variant` picks there.
+`n128`: block_n, `b0`: min_blocks, `p0`: prefetch). Every row count is timed with the swapped variant (the
+override) and the narrow one (the portable body), whichever `linear.variant` picks there.
 """
 
 import argparse
@@ -42,6 +42,9 @@ CANDIDATES = {  # label -> Tune fields (None: the portable body / the configured
     "m32-k128-s4": dict(block_m=32, block_k=128, stages=4),
     "m64-k128-s3": dict(block_m=64, block_k=128, stages=3),
     "m16-k128-s4-b0": dict(block_m=16, block_k=128, stages=4, min_blocks=0),
+    "p0": dict(prefetch=0),  # the configured tile without (or with more of) the weight rows' L2 prefetch
+    "p8": dict(prefetch=8),
+    "p16": dict(prefetch=16),
 }
 
 

@@ -84,8 +84,10 @@ FP32 = {("linear", "gemm"): linear.Variant(512, 5120, "float32"),
 # V4.1's index keys in the FP4 cache: 128 wide, groups of 32, ue8m0 scales (CASES has the latents' variants)
 KEYS = {("fp4_pack", "fp4_pack"): fp4_pack.Variant(128, 32, "ue8m0", "bfloat16"),
         ("fp4_gather", "fp4_gather"): fp4_gather.Variant(128, 32, "ue8m0", "bfloat16")}
-# One token of o_a (8 groups, split K): the swapped decode variant, linear_decode_sm90's on sm_90a
-SWAPPED = {("linear", "gemm"): linear.variant(1, 1024, 4096, 8)}
+# One token of o_a (8 groups, split K): the swapped decode variants, linear_decode_sm90's (bf16) and
+# linear_fp8_decode_sm90's (FP8, V4's exponent-byte scales) on sm_90a
+SWAPPED = {("linear", "gemm"): linear.variant(1, 1024, 4096, 8),
+           ("linear", "gemm_fp8"): linear_fp8.variant(1, 1024, 4096, (128, 128), True, 8)}
 # RoPE in place: the queries' 64 rotated channels of 512, and odd widths (6 heads of 24, 8 rotated: a tiny config's)
 INPLACE = {"inplace": rope.Variant(64, 512, 64, "bfloat16", inverse=True, inplace=True),
            "inplace-odd": rope.Variant(6, 24, 8, "bfloat16", inplace=True),
@@ -184,13 +186,17 @@ def cuda_targets(case: tuple, variant) -> tuple[str, ...]:
     return ("sm90",) if ODD.get(case) == variant else ("sm90", "sm100")
 
 
+PREFETCH = re.compile(r"^ *deepinfer_prefetch_l2\(\(&\(\w+\[.*\]\)\), \d+\);$", re.M)
+
+
 def waits_first(source: str) -> bool:
     """Every kernel of a CUDA source waits for the kernels before it (`cudaGridDependencySynchronize`, CUDA's
     programmatic dependent launch: `backends.tl.dependent_launch`) before it touches global memory: before its
-    first use of a pointer parameter and its first TMA load (a tensor map itself is a kernel parameter)."""
+    first use of a pointer parameter and its first TMA load (a tensor map itself is a kernel parameter). The one
+    exception: whole statements that prefetch weight rows into L2 (`tilekernels.l2_prefetch`: no value read)."""
     kernels = list(re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\) )?\w+\(([^)]*)\) \{", source))
     for m in kernels:
-        body = source[m.end():]
+        body = PREFETCH.sub("", source[m.end():])
         sync = body.find("cudaGridDependencySynchronize();")
         pointers = [p.split()[-1].lstrip("*") for p in m.group(1).split(",") if "*" in p and "CUtensorMap" not in p]
         uses = [u.start() for p in pointers for u in [re.search(rf"\b{re.escape(p)}\b", body)] if u]
@@ -211,7 +217,10 @@ def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
         if case == ("linear", "gemm") and variant == CASES[case]:  # the GEMM uses each architecture's tensor-core instructions
             assert ("wgmma" in source) if name == "sm90" else ("tcgen05" in source)
         if getattr(variant, "swapped", False):  # sm_90a: weight rows as wgmma's M, 16 token rows as its N
-            assert variant.split_k > 1 and (("64, 16, 16" in source) == (name == "sm90"))
+            from tilekernels.ops import linear_fp8_decode_sm90  # FP8: K 32 a step, its tile's token rows
+
+            mma = f"64, {linear_fp8_decode_sm90.TUNE.block_m}, 32" if case[1] == "gemm_fp8" else "64, 16, 16"
+            assert variant.split_k > 1 and ((mma in source) == (name == "sm90"))
         if case == ("linear", "gemm_fp8") and name == "sm90":  # Hopper's FP8 wgmma, fed by TMA
             assert "wgmma_ss<tl::DataType::kFloat8_e4m3" in source and "tma_load" in source
 
@@ -241,6 +250,41 @@ def test_ascend_source_without_traps(case, variant, cache):
     assert not re.search(r"blockIdx\.[yz]|threadIdx\.[yz]", source), "a 2-D launch leaked into the NPU source"
     if backends.ascend.bisheng_path() is None:
         assert art.file("binary") is None and "bisheng" in art.meta["notes"]["binary"]
+
+
+def test_only_weight_prefetches_run_ahead_of_the_dependency_wait(cache):
+    """The swapped decode GEMMs (bf16 and FP8) prefetch their first weight rows into L2 before the wait, and
+    nothing else runs there; a statement that stores beside its prefetch call is not hoisted (it stays after)."""
+    from backends import tl
+
+    tl.tilelang()
+    import tilelang.language as T
+
+    from tilekernels import l2_prefetch
+
+    for case in (("linear", "gemm"), ("linear", "gemm_fp8")):
+        source = Compiler(source_only("sm90"), cache).get(request(*case, SWAPPED[case])).file("cuda").read_text()
+        sync = source.find("cudaGridDependencySynchronize();")
+        assert 0 <= source.find("deepinfer_prefetch_l2((") < sync and waits_first(source), case
+
+    def kernel_with(store: bool):
+        @T.prim_func
+        def kernel(W: T.Tensor((256, 64), "bfloat16"), C: T.Tensor((256,), "float32")):
+            with T.Kernel(4, threads=64) as pid:
+                tx = T.get_thread_binding()
+                T.import_source(l2_prefetch.SOURCE)
+                if tx < 64:
+                    T.call_extern("handle", l2_prefetch.NAME, T.address_of(W[pid * 64 + tx, 0]), 128)
+                    if store:
+                        C[pid * 64 + tx] = 0.0
+                for i in T.Parallel(64):
+                    C[pid * 64 + i] = T.cast(W[pid * 64 + i, 0], "float32")
+        return kernel
+
+    script = tl.dependent_launch(kernel_with(False)).script()
+    assert script.index("deepinfer_prefetch_l2") < script.index("T.pdl_sync()")
+    script = tl.dependent_launch(kernel_with(True)).script()
+    assert script.index("T.pdl_sync()") < script.index("deepinfer_prefetch_l2")
 
 
 def test_dependent_launch_only_where_the_target_asks():

@@ -19,6 +19,7 @@ token; lm_head alone took 0.36 ms of a 2.27 ms V4-Flash slice step against 0.25 
 
 from dataclasses import dataclass
 
+from tilekernels import l2_prefetch
 from tilekernels.op import require, tuned
 
 
@@ -34,6 +35,7 @@ class Tune:
     block_k: int = 128
     stages: int = 4
     min_blocks: int = 2
+    prefetch: int = 4  # K steps of each weight row warmed into L2 before the dependency wait (tilekernels.l2_prefetch)
 
 
 TUNE = Tune()
@@ -64,11 +66,21 @@ def body(P, v, cfg=None, tune: Tune | None = None):
     M = T.dynamic("M")
     grouped = G > 1
     a_shape, w_shape, c_shape, out_dtype = linear.operands(v, M)
+    ahead = l2_prefetch.row_bytes(tune.prefetch, BK, K // SK, 2)  # bytes of each weight row warmed early
 
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, dtype), W: T.Tensor(w_shape, dtype), C: T.Tensor(c_shape, out_dtype)):
         MT = T.ceildiv(M, BM)
         with T.Kernel(MT * SK * G * NT, threads=BN * 2) as pid:
+            tx = T.get_thread_binding()
+            T.import_source(l2_prefetch.SOURCE)
+            if tx < BN and pid // (MT * SK * G) * BN + tx < N:  # this CTA's weight rows, its K slice's first steps
+                if grouped:
+                    T.call_extern("handle", l2_prefetch.NAME, T.address_of(
+                        W[pid // (MT * SK) % G, pid // (MT * SK * G) * BN + tx, pid // MT % SK * (K // SK)]), ahead)
+                else:
+                    T.call_extern("handle", l2_prefetch.NAME, T.address_of(
+                        W[pid // (MT * SK * G) * BN + tx, pid // MT % SK * (K // SK)]), ahead)
             if tune.min_blocks:  # registers capped for that many CTAs: no setmaxnreg reallocation between roles
                 T.annotate_min_blocks_per_sm(tune.min_blocks)
                 T.disable_warp_group_reg_alloc()
