@@ -200,28 +200,3 @@ def test_a_quantized_slice_decode_step_quantizes_the_activations_of_every_fp8_pr
     assert ("act_quant", "act_quant") not in plain and ("linear", "gemm_fp8") not in plain
     assert not any(op == "moe_experts" and kernel == "grouped_gemm" for op, kernel in q)
     assert any(op == "moe_experts" and kernel.startswith("grouped_gemm_fp4") for op, kernel in q)
-
-
-def test_a_few_decode_rows_of_a_large_fp8_weight_take_the_swapped_kernel_on_sm90_only():
-    """Up to linear.SWAP_ROWS rows of a weight of linear.SWAP_WEIGHT values or more the FP8 variant is swapped (V4's
-    128-deep blocks: `linear_fp8_decode_sm90` on sm_90a); more rows, a smaller weight, the batch-invariant mode and
-    V4.1's 32-deep blocks keep the narrow tile, and every other target runs the swapped variant as a narrow one."""
-    import dataclasses
-
-    from tilekernels.ops import linear_fp8_decode_sm90
-
-    q_b = linear_fp8.variant(1, 32768, 1024, (128, 128), True)
-    o_a = linear_fp8.variant(linear.SWAP_ROWS, 1024, 4096, (128, 128), True, groups=8)
-    assert q_b.swapped and q_b.narrow and o_a.swapped and o_a.split_k > 1
-    assert not linear_fp8.variant(linear.SWAP_ROWS + 1, 32768, 1024, (128, 128), True).swapped
-    assert not linear_fp8.variant(1, 1024, 4096, (128, 128), True).swapped  # 4M values: q_a
-    assert not linear_fp8.variant(1, 32768, 1024, (128, 128), True, invariant=True).swapped
-    v41 = linear_fp8.variant(1, 4096, 4096, (32, 32), True)
-    assert v41.swapped
-    for v in (q_b, o_a):
-        assert linear_fp8.KERNEL.body_for("sm90", v) is linear_fp8_decode_sm90.body
-        narrow = dataclasses.replace(v, swapped=False)
-        for target in ("sm100", "ascend", "c"):  # the same body (and so the same sums) as the narrow variant
-            assert linear_fp8.KERNEL.body_for(target, v) is linear_fp8.KERNEL.body_for(target, narrow)
-    assert linear_fp8.KERNEL.body_for("sm90", v41) is linear_fp8.body_native
-    assert linear_fp8.KERNEL.body_for("sm90", dataclasses.replace(q_b, swapped=False)) is linear_fp8.body_native

@@ -19,7 +19,7 @@ import torch
 
 from tilekernels import dtypes, fp8
 from tilekernels.op import Kernel, Override, require
-from tilekernels.ops import linear_fp8_decode_sm90, split_sum
+from tilekernels.ops import split_sum
 from tilekernels.quant import BlockQuantized, exponent_bytes, is_exponent_bytes
 
 SCALE_BLOCKS = (32, 64, 128)  # K-block depths a kernel tile takes (one scale block per K tile)
@@ -35,7 +35,6 @@ class Variant:
     split_k: int = 1
     narrow: bool = False  # decode-sized rows: 64-row tiles, narrower N tiles
     ue8m0: bool = False  # weight scales are exponent bytes (2^(b-127)); activation scales are powers of two
-    swapped: bool = False  # a few rows of a large weight: weight rows as the MMA's M where a target has that kernel
 
 
 @dataclass(frozen=True)
@@ -258,18 +257,15 @@ KERNEL = Kernel("gemm_fp8", body, configs={
     "sm100": Config(block_m=128, block_n=128, stages=0, threads=128, min_block_n=64, narrow_block_n=64),
     "ascend": Config(block_m=64, block_n=256, stages=0, threads=128, narrow_block_n=256),  # see docs/kernels.md
     "c": Config(block_m=16, block_n=16, stages=0, threads=1, narrow_threads=1, narrow_block_n=16),
-}, overrides=(Override("sm90", linear_fp8_decode_sm90.fits, linear_fp8_decode_sm90.body),
-               Override("sm90", lambda v: True, body_native), Override("sm100", lambda v: True, body_native)))
+}, overrides=(Override("sm90", lambda v: True, body_native), Override("sm100", lambda v: True, body_native)))
 
 
 def variant(rows: int, n: int, k: int, block: tuple[int, int], ue8m0: bool, groups: int = 1,
             dtype: str = "bfloat16", invariant: bool = False) -> Variant:
     """The FP8 GEMM variant of a call, by the same row buckets as the bf16 GEMM (`linear.variant`): decode
-    rows take narrow tiles (up to SWAP_ROWS rows of a weight of SWAP_WEIGHT values or more: swapped, which sm_90a
-    runs as `linear_fp8_decode_sm90`), and both small buckets split K (whole scale blocks, each slice >= 256 deep)
-    until about TARGET_PROGRAMS programs stream the weight. `invariant`: the decode bucket's split at every row
-    count, never swapped (the narrow tile's K order at every row count)."""
-    from tilekernels.ops.linear import ROW_BUCKETS, SWAP_ROWS, SWAP_WEIGHT, split_factor
+    rows take narrow tiles, and both small buckets split K (whole scale blocks, each slice >= 256 deep) until
+    about TARGET_PROGRAMS programs stream the weight. `invariant`: the decode bucket's split at every row count."""
+    from tilekernels.ops.linear import ROW_BUCKETS, split_factor
 
     k_blocks = -(-k // block[1])
     narrow = rows <= ROW_BUCKETS[0]
@@ -277,9 +273,7 @@ def variant(rows: int, n: int, k: int, block: tuple[int, int], ue8m0: bool, grou
         return Variant(n, k, dtype, tuple(block), groups, split_factor(True, n, k, groups, k_blocks), narrow, ue8m0)
     if rows > ROW_BUCKETS[1]:
         return Variant(n, k, dtype, tuple(block), groups, ue8m0=ue8m0)
-    swapped = rows <= SWAP_ROWS and n * k * groups >= SWAP_WEIGHT
-    return Variant(n, k, dtype, tuple(block), groups, split_factor(narrow, n, k, groups, k_blocks), narrow, ue8m0,
-                   swapped)
+    return Variant(n, k, dtype, tuple(block), groups, split_factor(narrow, n, k, groups, k_blocks), narrow, ue8m0)
 
 
 def weight_operands(weight: BlockQuantized) -> tuple[torch.Tensor, torch.Tensor, bool]:
