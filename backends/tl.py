@@ -130,29 +130,31 @@ def dependent_launch(func: Any) -> Any:
 
 
 def _prefetch_only(stmt: Any) -> bool:
-    """Whether `stmt` does nothing but PREFETCH_L2 calls (under conditions): no store, no call but
-    those and the addresses they take, no load but the element an address names."""
+    """Whether `stmt` is nothing but PREFETCH_L2 calls, under conditions: every condition, index and byte count free
+    of loads and calls (so nothing is read from memory), each call's address one buffer element's (address_of a load
+    whose indices are such expressions). Anything else is not hoisted."""
     from tvm import tirx
 
-    calls, loads, addressed, stores = [], [], [], []
+    def pure(expr) -> bool:  # arithmetic on variables and constants only
+        found = []
+        tirx.stmt_functor.post_order_visit(expr, lambda n: found.append(n)
+                                           if isinstance(n, (tirx.BufferLoad, tirx.Call)) else None)
+        return not found
 
-    def visit(node):
-        if isinstance(node, tirx.Call):
-            name = getattr(node.op, "name", str(node.op))
-            if name.endswith("call_extern") and node.args and getattr(node.args[0], "value", None) == PREFETCH_L2:
-                calls.append("prefetch")
-            elif name.endswith("address_of"):
-                addressed.extend(a for a in node.args if isinstance(a, tirx.BufferLoad))
-            else:
-                calls.append(name)
-        elif isinstance(node, tirx.BufferLoad):
-            loads.append(node)
-        elif isinstance(node, tirx.BufferStore):
-            stores.append(node)
+    def call_ok(call) -> bool:
+        if not (isinstance(call, tirx.Call) and getattr(call.op, "name", "").endswith("call_extern")
+                and len(call.args) == 3 and getattr(call.args[0], "value", None) == PREFETCH_L2):
+            return False
+        addr, nbytes = call.args[1], call.args[2]
+        return (isinstance(addr, tirx.Call) and getattr(addr.op, "name", "").endswith("address_of")
+                and len(addr.args) == 1 and isinstance(addr.args[0], tirx.BufferLoad)
+                and all(pure(i) for i in addr.args[0].indices) and pure(nbytes))
 
-    tirx.stmt_functor.post_order_visit(stmt, visit)
-    return (calls.count("prefetch") > 0 and all(c == "prefetch" for c in calls) and not stores
-            and len(loads) == len(addressed))
+    if isinstance(stmt, tirx.SeqStmt):
+        return len(stmt.seq) > 0 and all(_prefetch_only(s) for s in stmt.seq)
+    if isinstance(stmt, tirx.IfThenElse):
+        return pure(stmt.condition) and _prefetch_only(stmt.then_case) and stmt.else_case is None
+    return isinstance(stmt, tirx.Evaluate) and call_ok(stmt.value)
 
 
 def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, source_name: str,

@@ -184,7 +184,7 @@ def cuda_targets(case: tuple, variant) -> tuple[str, ...]:
     return ("sm90",) if ODD.get(case) == variant else ("sm90", "sm100")
 
 
-PREFETCH = re.compile(r"^ *deepinfer_prefetch_l2\(\(&\(\w+\[.*\]\)\), \d+\);$", re.M)
+PREFETCH = re.compile(r"^ *deepinfer_prefetch_l2\(\(&\(\w+\[[^\[\]]*\]\)\), \d+\);$", re.M)  # no load inside
 
 
 def waits_first(source: str) -> bool:
@@ -249,7 +249,8 @@ def test_ascend_source_without_traps(case, variant, cache):
 
 def test_only_weight_prefetches_run_ahead_of_the_dependency_wait(cache):
     """The swapped decode GEMM prefetches its first weight rows into L2 before the wait, and nothing else runs
-    there; a statement that stores beside its prefetch call is not hoisted (it stays after)."""
+    there; a statement that stores beside its prefetch call, or whose condition reads memory, is not hoisted (it
+    and everything after it stay after the wait)."""
     from backends import tl
 
     tl.tilelang()
@@ -262,24 +263,27 @@ def test_only_weight_prefetches_run_ahead_of_the_dependency_wait(cache):
     sync = source.find("cudaGridDependencySynchronize();")
     assert 0 <= source.find("deepinfer_prefetch_l2((") < sync and waits_first(source)
 
-    def kernel_with(store: bool):
+    def kernel_with(extra: str):
         @T.prim_func
         def kernel(W: T.Tensor((256, 64), "bfloat16"), C: T.Tensor((256,), "float32")):
             with T.Kernel(4, threads=64) as pid:
                 tx = T.get_thread_binding()
                 T.import_source(l2_prefetch.SOURCE)
+                if extra == "read" and W[pid * 64, 0] > 0:  # a condition that reads memory
+                    T.call_extern("handle", l2_prefetch.NAME, T.address_of(W[pid * 64, 0]), 128)
                 if tx < 64:
                     T.call_extern("handle", l2_prefetch.NAME, T.address_of(W[pid * 64 + tx, 0]), 128)
-                    if store:
+                    if extra == "store":
                         C[pid * 64 + tx] = 0.0
                 for i in T.Parallel(64):
                     C[pid * 64 + i] = T.cast(W[pid * 64 + i, 0], "float32")
         return kernel
 
-    script = tl.dependent_launch(kernel_with(False)).script()
+    script = tl.dependent_launch(kernel_with("")).script()
     assert script.index("deepinfer_prefetch_l2") < script.index("T.pdl_sync()")
-    script = tl.dependent_launch(kernel_with(True)).script()
-    assert script.index("T.pdl_sync()") < script.index("deepinfer_prefetch_l2")
+    for extra in ("store", "read"):
+        script = tl.dependent_launch(kernel_with(extra)).script()
+        assert script.index("T.pdl_sync()") < script.index("deepinfer_prefetch_l2"), extra
 
 
 def test_dependent_launch_only_where_the_target_asks():

@@ -15,6 +15,10 @@ token; lm_head alone took 0.36 ms of a 2.27 ms V4-Flash slice step against 0.25 
   at 64 rows, hence the row bound).
 - Split K as the variant says (`linear.split_factor`): each split's partial goes to the fp32 workspace
   [split_k, M, (G,) N] that `split_sum` reduces, exactly as the portable body.
+- Before its dependency wait, each CTA asks for the first `prefetch` K steps of its weight rows into L2
+  (`tilekernels/l2_prefetch.py`): its CTAs are resident while the kernel before it runs (dependent launch), and
+  the weights are written by no kernel of a step (`benchmarks/tune_linear_decode.py`, H100: 0-1.3 us a projection
+  at one token, BENCHMARKS.md thirteenth round).
 """
 
 from dataclasses import dataclass
@@ -27,15 +31,16 @@ from tilekernels.op import require, tuned
 class Tune:
     """`block_n` weight rows per CTA (64 per consumer warpgroup of 128 threads), `block_m` token rows per CTA (the
     wgmma N), `block_k` input features per pipeline step (64 where a split's depth is not a multiple of it),
-    `stages` weight tiles in flight, `min_blocks` CTAs per SM the registers must allow (0: no bound). The default is
-    the best of benchmarks/tune_linear_decode.py's candidates on the H200 (2026-12-02)."""
+    `stages` weight tiles in flight, `min_blocks` CTAs per SM the registers must allow (0: no bound), `prefetch` K
+    steps of each weight row warmed into L2 ahead of the dependency wait (0: none). The default is the best of
+    benchmarks/tune_linear_decode.py's candidates on the H200 (2026-12-02; prefetch: on the H100, 2026-12-06)."""
 
     block_n: int = 64
     block_m: int = 16
     block_k: int = 128
     stages: int = 4
     min_blocks: int = 2
-    prefetch: int = 4  # K steps of each weight row warmed into L2 before the dependency wait (tilekernels.l2_prefetch)
+    prefetch: int = 4
 
 
 TUNE = Tune()
@@ -74,7 +79,7 @@ def body(P, v, cfg=None, tune: Tune | None = None):
         with T.Kernel(MT * SK * G * NT, threads=BN * 2) as pid:
             tx = T.get_thread_binding()
             T.import_source(l2_prefetch.SOURCE)
-            if tx < BN and pid // (MT * SK * G) * BN + tx < N:  # this CTA's weight rows, its K slice's first steps
+            if ahead and tx < BN and pid // (MT * SK * G) * BN + tx < N:  # its rows, its K slice's first steps
                 if grouped:
                     T.call_extern("handle", l2_prefetch.NAME, T.address_of(
                         W[pid // (MT * SK) % G, pid // (MT * SK * G) * BN + tx, pid // MT % SK * (K // SK)]), ahead)
