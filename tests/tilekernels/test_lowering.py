@@ -247,6 +247,16 @@ def test_ascend_source_without_traps(case, variant, cache):
         assert art.file("binary") is None and "bisheng" in art.meta["notes"]["binary"]
 
 
+def test_a_decode_tile_with_a_negative_prefetch_is_refused_by_name():
+    from tilekernels.errors import ShapeError
+    from tilekernels.lang import Facade
+    from tilekernels.ops import linear_decode_sm90
+
+    tune = dataclasses.replace(linear_decode_sm90.TUNE, prefetch=-1)
+    with pytest.raises(ShapeError, match="prefetch=-1.*prefetch >= 0"):
+        linear_decode_sm90.body(Facade(source_only("sm90").traits), SWAPPED[("linear", "gemm")], None, tune)
+
+
 def test_only_weight_prefetches_run_ahead_of_the_dependency_wait(cache):
     """The swapped decode GEMM prefetches its first weight rows into L2 before the wait, and nothing else runs
     there; a statement that stores beside its prefetch call, or whose condition reads memory, is not hoisted (it

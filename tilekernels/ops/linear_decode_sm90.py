@@ -61,8 +61,9 @@ def body(P, v, cfg=None, tune: Tune | None = None):
     T = P.T
     N, K, G, SK, dtype = v.n, v.k, v.groups, v.split_k, v.dtype
     require(fits(v), "linear", f"the sm_90a decode kernel takes swapped 16-bit variants with K % 64 == 0, got {v}")
-    require(tune.block_n % 64 == 0 and tune.block_m % 8 == 0 and tune.block_k % 64 == 0, "linear",
-            f"bad decode tile {tune}: 64 weight rows per warpgroup, token rows a multiple of 8, K steps of 64")
+    require(tune.block_n % 64 == 0 and tune.block_m % 8 == 0 and tune.block_k % 64 == 0 and tune.prefetch >= 0,
+            "linear", f"bad decode tile {tune}: 64 weight rows per warpgroup, token rows a multiple of 8, K steps "
+            f"of 64, prefetch >= 0 steps")
     require(K % SK == 0 and (K // SK) % 64 == 0, "linear", f"K={K} cannot be split {SK} ways in 64-wide tiles")
     BN, BM = tune.block_n, tune.block_m
     BK = tune.block_k if (K // SK) % tune.block_k == 0 else 64
