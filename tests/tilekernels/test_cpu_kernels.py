@@ -133,43 +133,6 @@ def test_op_matches_reference_in_fp32(case, ops, cache):
     record_run(cache, name, "c", "fp32 on TileLang's c target matched the reference")
 
 
-@pytest.mark.parametrize("case", ["hc_pre-norm", "hc_mid-unfused"])
-def test_mhc_prefill_chunks_give_the_same_bits(case, ops):
-    """Past `hc_pre.CHUNK_ROWS` rows the pre-block (and `hc_mid`'s unfused post-block before it) runs chunk by
-    chunk so that a chunk's streams are re-read from L2: every output equals the one-pass run bit for bit."""
-    name, variant, _ = CASES[case]
-    torch.manual_seed(0)
-    args = DECLARED[name].example(variant, 5, "cpu")
-    whole = getattr(ops, name)(*args, chunk_rows=5)
-    for rows in (1, 2, 4):
-        for got, want in zip(getattr(ops, name)(*args, chunk_rows=rows), whole):
-            assert torch.equal(got, want), (case, rows)
-    with pytest.raises(ValueError, match="chunk_rows must be positive, got 0"):
-        getattr(ops, name)(*args, chunk_rows=0)
-
-
-def test_mhc_prefill_chunks_interleave_the_kernels():
-    """hc_mid past its fused rows: the post-block, then the pre-block's two kernels, chunk after chunk (so the
-    partials read the chunk the post-block has just written, and the finish re-reads it)."""
-    class Log(Recorder):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __call__(self, op, kernel, variant):
-            self.calls.append(kernel)
-            return super().__call__(op, kernel, variant)
-
-    log, rows, hc, hidden = Log(), 5, 4, 4096
-    meta = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-    mix = (2 + hc) * hc
-    table(log).hc_mid(meta(rows + hc_mid.FUSED_ROWS, hc, hidden, dtype=torch.bfloat16),
-                      meta(rows + hc_mid.FUSED_ROWS, hidden, dtype=torch.bfloat16), meta(rows + hc_mid.FUSED_ROWS, hc),
-                      meta(rows + hc_mid.FUSED_ROWS, hc, hc), meta(mix, hc * hidden), meta(mix), meta(3), 20, 1e-6,
-                      1e-6, meta(hidden), chunk_rows=hc_mid.FUSED_ROWS // 2)
-    assert log.calls == ["hc_post", "hc_pre_split", "hc_pre_finish"] * 3
-
-
 def test_rope_inplace_returns_its_input_rotated(ops):
     """The in-place form writes the rotated channels into x and returns x (the leading channels untouched); a
     strided x takes the copying form and is left as it was."""

@@ -132,23 +132,17 @@ def body(P, v: Variant, cfg: Config):
 KERNEL = Kernel("hc_mid_post", body, configs={"default": Config(), "c": Config(threads=1)})
 
 
-def run(launch, streams, out, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None,
-        chunk_rows: int = hc_pre.CHUNK_ROWS):
+def run(launch, streams, out, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None):
     m, n, h = streams.shape
     require(out.shape == (m, h) and post.shape == (m, n) and comb.shape == (m, n, n), "hc_mid",
             f"out/post/comb must be [{m}, {h}]/[{m}, {n}]/[{m}, {n}, {n}], got {list(out.shape)}/{list(post.shape)}/"
             f"{list(comb.shape)}")
     hc_mixes.check("hc_mid", streams, fn, base, scale, sinkhorn_iters)
     v = fused_variant(streams, getattr(launch, "invariant", False))
-    if v is None:  # chunk by chunk (`hc_pre.chunked`): the pre-block reads each chunk's new streams from L2
-        pv = hc_pre.variant(streams, sinkhorn_iters, norm is not None)
-        y = torch.empty(m, n * h, dtype=streams.dtype, device=streams.device)
-
-        def make(c0: int, c1: int) -> None:
-            hc_post.run(launch.op("hc_post"), streams[c0:c1], out[c0:c1], post[c0:c1], comb[c0:c1], into=y[c0:c1])
-
-        return (y.view(m, n, h), *hc_pre.chunked(launch.op("hc_pre"), pv, y, fn, base, scale, hc_eps, norm_eps, norm,
-                                                 chunk_rows, make))
+    if v is None:
+        mixed = hc_post.run(launch.op("hc_post"), streams, out, post, comb)
+        return (mixed, *hc_pre.run(launch.op("hc_pre"), mixed, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
+                                   norm))
     split, mix = h // v.part, (2 + n) * n
     y = torch.empty(m, n * h, dtype=streams.dtype, device=streams.device)
     dots = torch.empty(m, split * mix, dtype=torch.float32, device=streams.device)

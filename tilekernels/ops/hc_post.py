@@ -95,13 +95,12 @@ def variant(streams: torch.Tensor) -> Variant:
     return Variant(hc=n, hidden=h, dtype=dtypes.name(streams.dtype))
 
 
-def run(launch, streams, out, post, comb, into=None):
-    """-> the new streams [T, N, H], stored in `into` ([T, N*H], contiguous) when given."""
+def run(launch, streams, out, post, comb):
     m, n, h = streams.shape
     v = variant(streams)
     require(out.shape == (m, h) and post.shape == (m, n) and comb.shape == (m, n, n), "hc_post",
             f"out/post/comb must be [{m}, {h}]/[{m}, {n}]/[{m}, {n}, {n}]")
-    y = torch.empty(m, n * h, dtype=streams.dtype, device=streams.device) if into is None else into
+    y = torch.empty(m, n * h, dtype=streams.dtype, device=streams.device)
     launch("hc_post", v)(streams.reshape(m, n * h).contiguous(), out.contiguous(), post.float().contiguous(),
                          comb.reshape(m, n * n).float().contiguous(), y)
     return y.view(m, n, h)

@@ -39,12 +39,6 @@ class Variant:
     norm: bool = False  # the finish stores the collapse RMS-normalized (the partials kernel takes it False)
 
 
-# Rows per pass of the two kernels past this many rows (prefill): the partials kernel reads a chunk of streams from HBM
-# and the finishing kernel re-reads it for the collapse; 1024 V4-Flash rows are 32 MB of streams, which stay in the
-# GPU's 50 MB L2 between the two (chosen by benchmarks/hc_chunks.py; BENCHMARKS.md). Rows are independent, so a row's
-# bits do not depend on the chunking.
-CHUNK_ROWS = 1024
-
 # hc_mixes' kernels, storing the collapse instead of pre: "hc_pre_split" partial mixing products of (token, part)
 # tiles (on sm_90a a tensor-core GEMM: `hc_mixes_sm90`) and "hc_pre_finish" their sum per token, the tail and the
 # collapse
@@ -58,52 +52,27 @@ def variant(streams: torch.Tensor, sinkhorn_iters: int, norm: bool = False) -> V
                    split=hc_mixes.split_for(n * h), norm=norm)
 
 
-def outputs(v: Variant, m: int, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty (post [m, N] fp32, comb [m, N*N] fp32, collapsed [m, H]) for `m` rows of streams like `s`."""
-    return (torch.empty(m, v.hc, dtype=torch.float32, device=s.device),
-            torch.empty(m, v.hc * v.hc, dtype=torch.float32, device=s.device),
-            torch.empty(m, v.hidden, dtype=s.dtype, device=s.device))
-
-
-def finish(launch, v: Variant, s, dots, sq, base, scale, hc_eps, norm_eps, norm=None, op: str = "hc_pre", into=None):
+def finish(launch, v: Variant, s, dots, sq, base, scale, hc_eps, norm_eps, norm=None, op: str = "hc_pre"):
     """The finishing kernel of variant `v` on streams s [M, N*H] and their partials (`hc_mixes.partials`, or
-    `hc_mid`'s post-block) -> (post [M, N], comb [M, N, N], collapsed [M, H], normalized with `norm` when given),
-    stored in `into` (`outputs`' three tensors, contiguous) when given."""
+    `hc_mid`'s post-block) -> (post [M, N], comb [M, N, N], collapsed [M, H], normalized with `norm` when given)."""
     m, h, n = s.shape[0], v.hidden, v.hc
     require(norm is None or norm.shape == (h,), op, f"norm must be [{h}] (the hidden size), got "
             f"{None if norm is None else list(norm.shape)}")
-    post, comb, out = into if into is not None else outputs(v, m, s)
+    post = torch.empty(m, n, dtype=torch.float32, device=s.device)
+    comb = torch.empty(m, n * n, dtype=torch.float32, device=s.device)
+    out = torch.empty(m, h, dtype=s.dtype, device=s.device)
     weight = () if norm is None else (norm.float().contiguous(),)
     launch("hc_pre_finish", v)(s, dots, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
                                *weight, float(hc_eps), float(norm_eps))
     return post, comb.view(m, n, n), out
 
 
-def chunked(launch, v: Variant, s, fn, base, scale, hc_eps, norm_eps, norm=None, chunk_rows: int = CHUNK_ROWS,
-            make=None):
-    """Both kernels on streams s [M, N*H], in passes of `chunk_rows` rows past that many (a chunk's streams are
-    still in L2 when the finishing kernel re-reads them) -> `finish`'s outputs. `make(c0, c1)`, when given, first
-    writes rows c0:c1 of s (`hc_mid`'s post-block: the partials then read them from L2 too)."""
-    m = s.shape[0]
-    require(chunk_rows > 0, "hc_pre", f"chunk_rows must be positive, got {chunk_rows}")
-    into = outputs(v, m, s)
-    for c0 in range(0, max(m, 1), chunk_rows):
-        c1 = min(m, c0 + chunk_rows)
-        if make is not None:
-            make(c0, c1)
-        part = s[c0:c1]
-        finish(launch, v, part, *hc_mixes.partials(launch, "hc_pre", v, part, fn), base, scale, hc_eps, norm_eps,
-               norm, into=tuple(x[c0:c1] for x in into))
-    post, comb, out = into
-    return post, comb.view(m, v.hc, v.hc), out
-
-
-def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None, chunk_rows: int = CHUNK_ROWS):
+def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None):
     m, n, h = streams.shape
     v = variant(streams, sinkhorn_iters, norm is not None)
     hc_mixes.check("hc_pre", streams, fn, base, scale, sinkhorn_iters)
     s = streams.reshape(m, n * h).contiguous()
-    return chunked(launch, v, s, fn, base, scale, hc_eps, norm_eps, norm, chunk_rows)
+    return finish(launch, v, s, *hc_mixes.partials(launch, "hc_pre", v, s, fn), base, scale, hc_eps, norm_eps, norm)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
