@@ -1,33 +1,60 @@
-"""The indexer's top-k at decode: the stable sort the op uses today against `torch.topk` over unique int64 keys (the
-score's order-preserving bits, then the entry reversed: ties go to the lower entry, so the picks and their order are
-the stable sort's), each in a CUDA graph of 20 calls (a slice step has one CSA layer; the model 21), us per call.
-Shapes: V4-Flash's k 512 over the entries of a 4K and a 64K context (1,024 and 16,384 at rate 4), 1-128 rows.
-Run on the GPU host: `python benchmarks/topk.py`."""
+"""The indexer's top-k: the op's kernel (`tilekernels/ops/indexer_topk.py`: radix select, then a bitonic sort of
+the picks) against its reference (PyTorch's stable sort, what ran before), each in a CUDA graph of 20 calls, us per
+call, with the picks compared bit for bit. Shapes: V4-Flash's k 512 over the entries of a 4K, 64K and 80K context
+(1,024, 16,384 and 20,480 at rate 4: the last takes two of the kernel's shared-memory tiles), rows seeing every entry
+or a 4K context's 1,024 of them (a decode step's table is as wide as the longest sequence), 1-128 rows, and a
+prefill's 4,096 rows over 1,024 entries.
+
+    python -m benchmarks.topk [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
 import torch
 
 from benchmarks.cache_writes import timed
-from tilekernels.ops import indexer_topk
+from benchmarks.kernels import ROOT
+
+K = 512
 
 
-def keyed(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """`indexer_topk.reference`'s picks through int64 keys and torch.topk."""
-    e = scores.shape[-1]
-    entry = torch.arange(e, device=scores.device)
-    masked = scores.masked_fill(entry >= visible.view(-1, 1), float("-inf")) + 0.0  # -0.0 -> +0.0
-    bits = masked.view(torch.int32)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # signed order = the floats' order
-    top = torch.topk(ordered * (1 << 32) + (e - 1 - entry), min(k, e), dim=-1).values
-    picks = (e - 1) - (top & 0xFFFFFFFF)
-    return torch.where(picks >= visible.view(-1, 1), -1, picks)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from deepinfer.env import Env
+    from tilekernels.kernels import kernel_table
+    from tilekernels.ops import indexer_topk
+
+    ops = kernel_table("sm90", Env.read().cache_dir)
+    dev = torch.device("cuda")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    print(f"# {torch.cuda.get_device_name()} | {datetime.date.today()} | commit {commit} | k {K}")
+    print("| entries | visible | rows | stable sort us | kernel us | speed-up | same picks |")
+    print("|---|---|---|---|---|---|---|")
+    rows_out = []
+    cases = [(e, v, r) for e in (1024, 16384, 20480) for v in ("all", 1024) for r in (1, 8, 32, 128)
+             if not (v == 1024 and e == 1024)] + [(1024, "all", 4096)]
+    for entries, seen, rows in cases:
+        torch.manual_seed(rows)
+        scores = torch.randn(rows, entries, device=dev)
+        visible = torch.full((rows,), entries if seen == "all" else seen, dtype=torch.long, device=dev)
+        same = torch.equal(ops.indexer_topk(scores, visible, K), indexer_topk.reference(scores, visible, K))
+        sort = timed(lambda: indexer_topk.reference(scores, visible, K), 20)
+        kern = timed(lambda: ops.indexer_topk(scores, visible, K), 20)
+        rows_out.append(dict(entries=entries, visible=seen, rows=rows, sort_us=sort, kernel_us=kern, same=same))
+        print(f"| {entries} | {seen} | {rows} | {sort:.1f} | {kern:.1f} | {sort / kern:.2f}x | {same} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
+                                              "commit": commit, "k": K, "rows": rows_out}, indent=1))
 
 
 if __name__ == "__main__":
-    dev = torch.device("cuda")
-    for entries in (1024, 16384):
-        for rows in (1, 8, 32, 128):
-            scores = torch.randn(rows, entries, device=dev).round(decimals=1)  # ties
-            visible = torch.randint(entries // 2, entries + 1, (rows,), device=dev)
-            same = torch.equal(keyed(scores, visible, 512), indexer_topk.reference(scores, visible, 512))
-            sort = timed(lambda: indexer_topk.reference(scores, visible, 512), 20)
-            key = timed(lambda: keyed(scores, visible, 512), 20)
-            print(f"| {entries} | {rows} | {sort:.1f} | {key:.1f} | {sort / key:.2f}x | {same} |", flush=True)
+    main()

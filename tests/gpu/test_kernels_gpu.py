@@ -16,7 +16,7 @@ def flash_variants() -> dict:
     """op -> the variant its inputs are made for, at V4-Flash widths (hidden 4096, 64 heads of 512, 256
     experts top 6, hc 4, vocab 129280); the inputs come from each op's own `example`."""
     from tilekernels.ops import (act_quant, compress_pool, compress_ring, hc_mid, hc_post, hc_pre, indexer_scores,
-                                 linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu)
+                                 indexer_topk, linear, moe_experts, moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
     return {
         "act_quant": act_quant.Variant(4096, 128, "bfloat16", pow2=True),
@@ -36,6 +36,7 @@ def flash_variants() -> dict:
         # CSA's ring: overlapping windows of 4 (8 slots), two series of 512
         "compress_ring": compress_ring.Variant(4, 8, 8, 1024, "bfloat16", "bfloat16"),
         "indexer_scores": indexer_scores.Variant(64, 128, "bfloat16", False),
+        "indexer_topk": indexer_topk.Variant(512),  # V4-Flash's k 512 over 2,148 entries (ties, short rows)
     }
 
 
@@ -119,6 +120,24 @@ def test_query_norm_and_rope_in_one_pass(tokens, cuda, sm90_ops):
     got = sm90_ops.rope(x, pos, inv, factor, inverse, inplace=True, norm_eps=eps)
     assert got is x
     compare("rope", got, want)
+
+
+@pytest.mark.parametrize("entries", [1024, 16384, 20480])
+def test_indexer_topk_at_v4_flash_contexts(entries, cuda, sm90_ops):
+    """The top-k kernel at 4K, 64K and 80K contexts (20,480 entries: two shared-memory tiles, re-staged each
+    pass): the reference's picks in its order, bit for bit, for rows seeing every entry, a 4K context's 1,024,
+    fewer than k and a random number, with distinct scores and with ties (scores rounded to 0.1)."""
+    from tilekernels.ops import indexer_topk
+
+    torch.manual_seed(entries)
+    for rows in (1, 8, 128):
+        for ties in (False, True):
+            scores = torch.randn(rows, entries, device=cuda)
+            scores = scores.round(decimals=1) if ties else scores
+            visible = torch.randint(0, entries + 1, (rows,), device=cuda)
+            visible[: min(rows, 4)] = torch.tensor([entries, 1024, 100, 513][: min(rows, 4)], device=cuda)
+            got = sm90_ops.indexer_topk(scores, visible, 512)
+            assert torch.equal(got, indexer_topk.reference(scores, visible, 512)), (rows, ties)
 
 
 def test_fp4_experts_at_v4_flash_widths(cuda, sm90_ops):

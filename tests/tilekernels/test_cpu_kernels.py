@@ -12,7 +12,8 @@ from codegen.driver import record_run
 from tilekernels import reference_table
 from tilekernels.errors import ShapeError
 from tilekernels.kernels import Recorder, kernel_table, table
-from tilekernels.ops import (DECLARED, act_quant, compress_pool, compress_ring, hc_mid, hc_post, hc_pre, indexer_scores, linear, moe_experts,
+from tilekernels.ops import (DECLARED, act_quant, compress_pool, compress_ring, hc_mid, hc_post, hc_pre, indexer_scores,
+                             indexer_topk, linear, moe_experts,
                              moe_gate, rms_norm, rope, sparse_attention, swiglu)
 
 
@@ -88,6 +89,8 @@ CASES = {  # FP8 GEMM cases (linear with FP8 weights) are in test_fp8_kernels.py
     "sparse_attention-whole": ("sparse_attention", sparse_attention.Variant(16, 32, F), 300),
     "indexer_scores": ("indexer_scores", indexer_scores.Variant(16, 64, F, False), 3),
     "indexer_scores-shared-odd": ("indexer_scores", indexer_scores.Variant(5, 20, F, True), 7),
+    # 164 entries: three of the c target's 64-entry tiles; ties at the boundary, rows seeing all, k / 2, k + 1
+    "indexer_topk": ("indexer_topk", indexer_topk.Variant(16), 7),
     # V4-Flash's compressors (CSA with its overlap: 8 slots, head_dim 512 and the indexer's 128; HCA: 128 slots),
     # V4.1's ratio 2, and channel counts the c target's 64-wide blocks do not divide (100: a partial block, 20)
     "compress_pool-csa": ("compress_pool", compress_pool.Variant(8, 512, F), 5),
@@ -131,6 +134,37 @@ def test_op_matches_reference_in_fp32(case, ops, cache):
         else:
             torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=rtol)
     record_run(cache, name, "c", "fp32 on TileLang's c target matched the reference")
+
+
+@pytest.mark.parametrize("k", [3, 16])
+def test_indexer_topk_edges_as_the_reference(k, ops):
+    """The radix select's edge cases: every visible score equal (ties only: the lowest entries), -0.0 beside
+    +0.0 (equal, as the sort holds them), -inf scores, one pick among many equal ones, rows seeing nothing, fewer
+    entries than k, k smaller than the kernel's slots; the picks and their order are the reference's."""
+    e = 200
+    s = torch.zeros(8, e)
+    s[1, ::2] = -0.0
+    s[2] = float("-inf")
+    s[2, 50] = 1.0
+    s[3] = torch.arange(e, dtype=torch.float32) % 3
+    s[4] = -torch.arange(e, dtype=torch.float32)  # distinct, negative
+    s[5, 7] = 2.0  # one clear maximum among equal keys
+    s[6] = torch.randn(e).abs() * 1e-30  # tiny keys: the top differing bit is low
+    s[7] = torch.randn(e) * 1e30
+    vis = torch.tensor([e, 150, 100, 30, e, 0, e, 2])
+    assert torch.equal(ops.indexer_topk(s, vis, k), indexer_topk.reference(s, vis, k))
+    few = torch.randn(3, 2)  # fewer entries than k: every entry a pick, min(k, E) columns
+    vis = torch.tensor([2, 1, 0], dtype=torch.int32)
+    assert torch.equal(ops.indexer_topk(few, vis, k), indexer_topk.reference(few, vis, k))
+
+
+def test_indexer_topk_names_bad_inputs(ops):
+    with pytest.raises(ShapeError, match="scores must be fp32"):
+        ops.indexer_topk(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(2, dtype=torch.long), 4)
+    with pytest.raises(ShapeError, match=r"visible must be integer \[2\]"):
+        ops.indexer_topk(torch.zeros(2, 8), torch.zeros(3, dtype=torch.long), 4)
+    with pytest.raises(ShapeError, match="k must be at least 1, got 0"):
+        ops.indexer_topk(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long), 0)
 
 
 def test_rope_inplace_returns_its_input_rotated(ops):

@@ -15,6 +15,7 @@ from codegen import Compiler
 from tilekernels.kernels import request
 from tilekernels.ops import (DECLARED, act_quant, candidate_blocks, compress_pool, compress_ring, engram_gate, engram_lookup,
                              fp4_act_qdq, fp4_gather, fp4_pack, hc_collapse, hc_mid, hc_mixes, hc_post, hc_pre, indexer_scores,
+                             indexer_topk,
                              indexer_scores_fp4, linear, linear_fp8, moe_decode, moe_experts, moe_gate, rms_norm, rope,
                              sparse_attention, split_sum, swiglu)
 
@@ -27,6 +28,7 @@ CASES = {
     ("linear", "gemm_fp8"): linear_fp8.Variant(1024, 4096, "bfloat16", (128, 128), groups=8, ue8m0=True),
     ("linear", "split_sum"): split_sum.Variant(16, 1024, "bfloat16"),  # q_a at decode: 16 K slices
     ("indexer_scores", "indexer_scores"): indexer_scores.Variant(64, 128, "bfloat16", False),
+    ("indexer_topk", "indexer_topk"): indexer_topk.Variant(512),  # V4-Flash's k
     ("act_quant", "act_quant"): act_quant.Variant(4096, 128, "bfloat16", pow2=True),
     ("moe_gate", "moe_gate"): moe_gate.Variant(256, 6, "sqrtsoftplus", "bfloat16"),
     ("moe_experts", "grouped_gemm"): moe_experts.variant(4096, 4096, 256, "bfloat16", tokens=4096),  # 128-row tiles
