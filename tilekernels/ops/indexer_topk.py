@@ -164,8 +164,8 @@ def body(P, v: Variant, cfg: Config):
                         st[SLOTS] = 0
                         st[STAGE] = T.if_then_else(T.min(T.cast(Visible[row], I32), E) > KK, 0, 2)
                         st[HB] = -1
-                        for i in T.serial(4):
-                            ust[i] = T.uint32(0)  # stage 2 from the start: every visible entry is a pick
+                        for i in T.serial(4):  # no bits found: in stage 2 from the start every visible entry is a pick
+                            ust[i] = T.uint32(0)
                     for t in T.Parallel(TH):
                         kmin[t] = T.uint32(0xFFFFFFFF)
                         kmax[t] = T.uint32(0)
@@ -210,7 +210,7 @@ def body(P, v: Variant, cfg: Config):
                                 ust[1] = T.if_then_else(st[HB] == 31, T.uint32(0),
                                                         ~((T.uint32(2) << T.cast(T.max(st[HB], 0), U32)) - ONE))
                                 ust[0] = red[1, LOG_TH % 2, 0] & ust[1]
-                # key passes: the 8 bits below those found (the last pass: those left, shifted up)
+                # key passes, from the top differing bit down
                 for p in T.serial(4):
                     if st[STAGE] == 0:
                         # bits [lo, hi] of the keys: the 8 below those found (the last pass: those left)
