@@ -72,9 +72,8 @@ def body(P, v: Variant, cfg: Config):
     U32, U64, I32 = "uint32", "uint64", "int32"
     LOG_TH, LOG_KP, CHUNK = TH.bit_length() - 1, KP.bit_length() - 1, min(TILE, 8192)
     # st (int32): visible entries, picks still needed, the boundary bin, candidates above it, pick slots used, the
-    # search's stage (0 keys, 1 entries of tied keys, 2 done), the stage's top bit still to find (keys: their top
-    # differing bit; entries: 31), the stage's passes done
-    NVIS, NEED, BIN, ABOVE, SLOTS, STAGE, HB, PASS = range(8)
+    # search's stage (0 keys, 1 entries of tied keys, 2 done), the top differing key bit
+    NVIS, NEED, BIN, ABOVE, SLOTS, STAGE, HB = range(7)
     # ust (uint32): per stage a prefix and mask of the boundary's bits found so far
     ONE = T.uint32(1)
 
@@ -87,69 +86,35 @@ def body(P, v: Variant, cfg: Config):
     def reversed_entry(e):
         return T.uint32(0xFFFFFFFF) - T.cast(e, U32)
 
-    def pass_lo(st):
-        """The lowest bit of the pass's bin: 8 below the stage's top bit still to find, or bit 0 in the last."""
-        return T.cast(T.max(st[HB] - 7 - 8 * st[PASS], 0), U32)
-
-    def pass_mask(st):
-        """The pass's bin mask (8 bits, fewer in a key stage's last pass)."""
-        return (ONE << T.cast(T.min(st[HB] - 8 * st[PASS] + 1, 8), U32)) - ONE
-
     @T.macro
     def stage(S, s_io, row, t0, n):
         """The row's scores [t0, t0 + n) (n <= TILE) into s_io, in copies of CHUNK entries."""
         for c in T.serial(T.ceildiv(n, CHUNK)):
             T.copy(S[row, t0 + c * CHUNK : t0 + (c + 1) * CHUNK], s_io[c * CHUNK : (c + 1) * CHUNK])
 
-    # visitors of `each_visible` (thread t at entry e, its key in ku[t]): the row's key range, a pass's counts, the
-    # picks
     @T.macro
-    def min_max(t, e, bufs):
-        kmin, kmax, ku = bufs
-        kmin[t] = T.min(kmin[t], ku[t])
-        kmax[t] = T.max(kmax[t], ku[t])
-
-    @T.macro
-    def bin_count(t, e, bufs):
-        hist, st, ust, ku, kx = bufs
-        tie = st[STAGE]
-        kx[t] = T.if_then_else(tie == 1, reversed_entry(e), ku[t])
-        if (tie == 0 or ku[t] == ust[0]) and kx[t] & ust[2 * tie + 1] == ust[2 * tie]:
-            T.atomic_add(hist[T.cast((kx[t] >> pass_lo(st)) & pass_mask(st), I32)], 1)
-
-    @T.macro
-    def gather(t, e, bufs):
-        picks, st, ust, ku = bufs
-        if ku[t] & ust[1] > ust[0] or ku[t] & ust[1] == ust[0] and reversed_entry(e) & ust[3] >= ust[2]:
-            slot = T.atomic_add(st[SLOTS], 1, return_prev=True)
-            picks[slot] = (T.cast(ku[t], U64) << T.uint64(32)) | T.cast(reversed_entry(e), U64)
-
-    @T.macro
-    def each_visible(S, s_io, st, ku, row, nvis, tiles, visit, bufs):
-        """visit(t, e, bufs) for each visible entry e of the row (thread t's), its key in ku[t]; rows past one
-        tile staged a tile at a time."""
+    def count(S, s_io, hist, st, ust, row, nvis, tiles, tie, lo, wmask):
+        """hist[bin] += 1 for each candidate: the visible entries whose key (stage 0) or reversed entry among
+        the tied keys (stage 1) matches the boundary's bits found so far; its bin: bits lo.. (wmask) of it."""
+        with P.vector(TH):
+            for d in T.Parallel(RADIX):
+                hist[d] = 0
         for tt in T.serial(tiles):
             if tiles > 1:
                 stage(S, s_io, row, tt * TILE, T.min(nvis - tt * TILE, TILE))
             with P.vector(TH):
                 for t in T.Parallel(TH):
                     for s in T.serial(T.ceildiv(T.min(nvis - tt * TILE, TILE), TH)):
-                        if tt * TILE + s * TH + t < st[NVIS]:
-                            ku[t] = key(s_io[s * TH + t])
-                            visit(t, tt * TILE + s * TH + t, bufs)
+                        e = tt * TILE + s * TH + t
+                        if e < st[NVIS]:
+                            u = key(s_io[s * TH + t])
+                            x = reversed_entry(e) if tie else u
+                            ok = u == ust[0] if tie else True
+                            if ok and x & ust[2 * tie + 1] == ust[2 * tie]:
+                                T.atomic_add(hist[T.cast((x >> lo) & wmask, I32)], 1)
 
     @T.macro
-    def count(S, s_io, hist, st, ust, ku, kx, row, nvis, tiles):
-        """hist[bin] += 1 for each candidate of the stage's pass: the visible entries whose key (stage 0) or
-        reversed entry among the tied keys (stage 1) matches the boundary's bits found so far; its bin: the 8 bits
-        (fewer in a key stage's last pass) below those."""
-        with P.vector(TH):
-            for d in T.Parallel(RADIX):
-                hist[d] = 0
-        each_visible(S, s_io, st, ku, row, nvis, tiles, bin_count, (hist, st, ust, ku, kx))
-
-    @T.macro
-    def choose(hist, suf, st, ust):
+    def choose(hist, suf, st, ust, tie, lo, wmask):
         """The bin holding the st[NEED]-th largest candidate: its bits join the prefix, the candidates above it
         leave the need; the stage ends when that bin holds exactly the picks still needed."""
         with P.vector(TH):
@@ -169,17 +134,13 @@ def body(P, v: Variant, cfg: Config):
                     st[ABOVE] = above
         with P.vector(TH):
             for _ in T.Parallel(1):
-                tie = st[STAGE]
-                ust[2 * tie] = ust[2 * tie] | (T.cast(st[BIN], U32) << pass_lo(st))
-                ust[2 * tie + 1] = ust[2 * tie + 1] | (pass_mask(st) << pass_lo(st))
+                ust[2 * tie] = ust[2 * tie] | (T.cast(st[BIN], U32) << lo)
+                ust[2 * tie + 1] = ust[2 * tie + 1] | (wmask << lo)
                 st[NEED] = st[NEED] - st[ABOVE]
-                st[PASS] = st[PASS] + 1
                 if hist[st[BIN]] == st[NEED]:
                     st[STAGE] = 2
-                elif st[STAGE] == 0 and ust[1] == T.uint32(0xFFFFFFFF):  # every key bit found: exact ties, by entry
+                elif ust[2 * tie + 1] == T.uint32(0xFFFFFFFF):  # every key bit found: exact ties, by entry
                     st[STAGE] = 1
-                    st[HB] = 31
-                    st[PASS] = 0
 
     @T.prim_func
     def kernel(S: T.Tensor((M, E), "float32"), Visible: T.Tensor((M,), "int64"), Out: T.Tensor((M, KK), "int64")):
@@ -193,8 +154,6 @@ def body(P, v: Variant, cfg: Config):
             picks = P.alloc_io((KP,), U64)
             kmin = P.alloc_vec((TH,), U32)
             kmax = P.alloc_vec((TH,), U32)
-            ku = P.alloc_vec((TH,), U32)  # the key of the entry a thread visits
-            kx = P.alloc_vec((TH,), U32)  # what a pass bins of it
             tiles = T.ceildiv(E, TILE)
             for row in P.tiles(M, pid):
                 nvis = T.min(T.cast(Visible[row], I32), E)  # loop extents read it here, not from shared memory
@@ -205,7 +164,6 @@ def body(P, v: Variant, cfg: Config):
                         st[SLOTS] = 0
                         st[STAGE] = T.if_then_else(T.min(T.cast(Visible[row], I32), E) > KK, 0, 2)
                         st[HB] = -1
-                        st[PASS] = 0
                         for i in T.serial(4):  # no bits found: in stage 2 from the start every visible entry is a pick
                             ust[i] = T.uint32(0)
                     for t in T.Parallel(TH):
@@ -218,7 +176,16 @@ def body(P, v: Variant, cfg: Config):
                 if st[STAGE] == 0:
                     # the row's smallest and largest visible keys: the bits above their top differing one are the
                     # same in every candidate
-                    each_visible(S, s_io, st, ku, row, nvis, tiles, min_max, (kmin, kmax, ku))
+                    for tt in T.serial(tiles):
+                        if tiles > 1:
+                            stage(S, s_io, row, tt * TILE, T.min(nvis - tt * TILE, TILE))
+                        with P.vector(TH):
+                            for t in T.Parallel(TH):
+                                for s in T.serial(T.ceildiv(T.min(nvis - tt * TILE, TILE), TH)):
+                                    if tt * TILE + s * TH + t < st[NVIS]:
+                                        u = key(s_io[s * TH + t])
+                                        kmin[t] = T.min(kmin[t], u)
+                                        kmax[t] = T.max(kmax[t], u)
                     with P.vector(TH):
                         for t in T.Parallel(TH):
                             red[0, 0, t] = kmin[t]
@@ -239,20 +206,38 @@ def body(P, v: Variant, cfg: Config):
                                 ust[0] = red[1, LOG_TH % 2, 0]
                                 ust[1] = T.uint32(0xFFFFFFFF)
                                 st[STAGE] = 1
-                                st[HB] = 31
                             else:
                                 ust[1] = T.if_then_else(st[HB] == 31, T.uint32(0),
                                                         ~((T.uint32(2) << T.cast(T.max(st[HB], 0), U32)) - ONE))
                                 ust[0] = red[1, LOG_TH % 2, 0] & ust[1]
-                # the passes: the keys' bits from the top differing one down, then (exact ties at the boundary) the
-                # lowest entries by their reversed numbers; at most 4 of each, one loop for both (a vector region
-                # fewer per pass: Ascend's lowering time grows with their number)
-                for p in T.serial(8):
-                    if st[STAGE] < 2:
-                        count(S, s_io, hist, st, ust, ku, kx, row, nvis, tiles)
-                        choose(hist, suf, st, ust)
+                # key passes, from the top differing bit down
+                for p in T.serial(4):
+                    if st[STAGE] == 0:
+                        # bits [lo, hi] of the keys: the 8 below those found (the last pass: those left)
+                        lo = T.cast(T.max(st[HB] - 7 - 8 * p, 0), U32)
+                        wmask = (ONE << T.cast(T.min(st[HB] - 8 * p + 1, 8), U32)) - ONE
+                        count(S, s_io, hist, st, ust, row, nvis, tiles, 0, lo, wmask)
+                        choose(hist, suf, st, ust, 0, lo, wmask)
+                # tied keys: the lowest entries, by their reversed numbers, 8 bits a pass
+                for p in T.serial(4):
+                    if st[STAGE] == 1:
+                        lo = T.cast(24 - 8 * p, U32)
+                        count(S, s_io, hist, st, ust, row, nvis, tiles, 1, lo, T.uint32(255))
+                        choose(hist, suf, st, ust, 1, lo, T.uint32(255))
                 # the picks, in slots taken in any order: above the boundary, or at it
-                each_visible(S, s_io, st, ku, row, nvis, tiles, gather, (picks, st, ust, ku))
+                for tt in T.serial(tiles):
+                    if tiles > 1:
+                        stage(S, s_io, row, tt * TILE, T.min(nvis - tt * TILE, TILE))
+                    with P.vector(TH):
+                        for t in T.Parallel(TH):
+                            for s in T.serial(T.ceildiv(T.min(nvis - tt * TILE, TILE), TH)):
+                                e = tt * TILE + s * TH + t
+                                if e < st[NVIS]:
+                                    u = key(s_io[s * TH + t])
+                                    if (u & ust[1] > ust[0]
+                                            or u & ust[1] == ust[0] and reversed_entry(e) & ust[3] >= ust[2]):
+                                        slot = T.atomic_add(st[SLOTS], 1, return_prev=True)
+                                        picks[slot] = (T.cast(u, U64) << T.uint64(32)) | T.cast(reversed_entry(e), U64)
                 # bitonic network, descending: (key, reversed entry) pairs are unique, so this is the stable order
                 for run in T.serial(LOG_KP):  # runs of 2 << run sorted, alternating, by strides 1 << (run - j)
                     for j in T.serial(run + 1):
