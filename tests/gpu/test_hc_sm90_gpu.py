@@ -24,9 +24,11 @@ FP32_TOL = DECLARED["hc_mixes"].tolerance["bfloat16"]  # the mixes are fp32 what
 BF16_TOL = DECLARED["hc_pre"].tolerance["bfloat16"]  # hc_pre's collapsed streams, in bf16
 
 
-def layer(shape: str) -> hc_mixes.Variant:
+def layer(shape: str) -> hc_pre.Variant:
+    """The layer's variant, as both ops' examples take it (hc_pre's adds `norm`: off, the collapse as the sublayer
+    reads it before its own norm)."""
     hc, hidden = SHAPES[shape]
-    return hc_mixes.Variant(hc, hidden, ITERS, "bfloat16")
+    return hc_pre.Variant(hc, hidden, ITERS, "bfloat16")
 
 
 def planned() -> list[tuple]:
