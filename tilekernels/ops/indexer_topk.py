@@ -93,12 +93,9 @@ def body(P, v: Variant, cfg: Config):
             T.copy(S[row, t0 + c * CHUNK : t0 + (c + 1) * CHUNK], s_io[c * CHUNK : (c + 1) * CHUNK])
 
     @T.macro
-    def count(S, s_io, hist, st, ust, row, nvis, tiles, tie, lo, wmask):
-        """hist[bin] += 1 for each candidate: the visible entries whose key (stage 0) or reversed entry among
-        the tied keys (stage 1) matches the boundary's bits found so far; its bin: bits lo.. (wmask) of it."""
-        with P.vector(TH):
-            for d in T.Parallel(RADIX):
-                hist[d] = 0
+    def each_visible(S, s_io, st, row, nvis, tiles, visit, bufs):
+        """visit(t, e, key, bufs) for each visible entry e of the row (thread t's); rows past one tile staged a
+        tile at a time."""
         for tt in T.serial(tiles):
             if tiles > 1:
                 stage(S, s_io, row, tt * TILE, T.min(nvis - tt * TILE, TILE))
@@ -107,11 +104,38 @@ def body(P, v: Variant, cfg: Config):
                     for s in T.serial(T.ceildiv(T.min(nvis - tt * TILE, TILE), TH)):
                         e = tt * TILE + s * TH + t
                         if e < st[NVIS]:
-                            u = key(s_io[s * TH + t])
-                            x = reversed_entry(e) if tie else u
-                            ok = u == ust[0] if tie else True
-                            if ok and x & ust[2 * tie + 1] == ust[2 * tie]:
-                                T.atomic_add(hist[T.cast((x >> lo) & wmask, I32)], 1)
+                            visit(t, e, key(s_io[s * TH + t]), bufs)
+
+    # visitors of `each_visible` (thread t, entry e, its key u): the row's key range, a pass's counts, the picks
+    @T.macro
+    def min_max(t, e, u, bufs):
+        kmin, kmax = bufs
+        kmin[t] = T.min(kmin[t], u)
+        kmax[t] = T.max(kmax[t], u)
+
+    @T.macro
+    def bin_count(t, e, u, bufs):
+        hist, ust, tie, lo, wmask = bufs
+        x = reversed_entry(e) if tie else u
+        ok = u == ust[0] if tie else True
+        if ok and x & ust[2 * tie + 1] == ust[2 * tie]:
+            T.atomic_add(hist[T.cast((x >> lo) & wmask, I32)], 1)
+
+    @T.macro
+    def gather(t, e, u, bufs):
+        picks, st, ust = bufs
+        if u & ust[1] > ust[0] or u & ust[1] == ust[0] and reversed_entry(e) & ust[3] >= ust[2]:
+            slot = T.atomic_add(st[SLOTS], 1, return_prev=True)
+            picks[slot] = (T.cast(u, U64) << T.uint64(32)) | T.cast(reversed_entry(e), U64)
+
+    @T.macro
+    def count(S, s_io, hist, st, ust, row, nvis, tiles, tie, lo, wmask):
+        """hist[bin] += 1 for each candidate: the visible entries whose key (stage 0) or reversed entry among
+        the tied keys (stage 1) matches the boundary's bits found so far; its bin: bits lo.. (wmask) of it."""
+        with P.vector(TH):
+            for d in T.Parallel(RADIX):
+                hist[d] = 0
+        each_visible(S, s_io, st, row, nvis, tiles, bin_count, (hist, ust, tie, lo, wmask))
 
     @T.macro
     def choose(hist, suf, st, ust, tie, lo, wmask):
@@ -176,16 +200,7 @@ def body(P, v: Variant, cfg: Config):
                 if st[STAGE] == 0:
                     # the row's smallest and largest visible keys: the bits above their top differing one are the
                     # same in every candidate
-                    for tt in T.serial(tiles):
-                        if tiles > 1:
-                            stage(S, s_io, row, tt * TILE, T.min(nvis - tt * TILE, TILE))
-                        with P.vector(TH):
-                            for t in T.Parallel(TH):
-                                for s in T.serial(T.ceildiv(T.min(nvis - tt * TILE, TILE), TH)):
-                                    if tt * TILE + s * TH + t < st[NVIS]:
-                                        u = key(s_io[s * TH + t])
-                                        kmin[t] = T.min(kmin[t], u)
-                                        kmax[t] = T.max(kmax[t], u)
+                    each_visible(S, s_io, st, row, nvis, tiles, min_max, (kmin, kmax))
                     with P.vector(TH):
                         for t in T.Parallel(TH):
                             red[0, 0, t] = kmin[t]
@@ -225,19 +240,7 @@ def body(P, v: Variant, cfg: Config):
                         count(S, s_io, hist, st, ust, row, nvis, tiles, 1, lo, T.uint32(255))
                         choose(hist, suf, st, ust, 1, lo, T.uint32(255))
                 # the picks, in slots taken in any order: above the boundary, or at it
-                for tt in T.serial(tiles):
-                    if tiles > 1:
-                        stage(S, s_io, row, tt * TILE, T.min(nvis - tt * TILE, TILE))
-                    with P.vector(TH):
-                        for t in T.Parallel(TH):
-                            for s in T.serial(T.ceildiv(T.min(nvis - tt * TILE, TILE), TH)):
-                                e = tt * TILE + s * TH + t
-                                if e < st[NVIS]:
-                                    u = key(s_io[s * TH + t])
-                                    if (u & ust[1] > ust[0]
-                                            or u & ust[1] == ust[0] and reversed_entry(e) & ust[3] >= ust[2]):
-                                        slot = T.atomic_add(st[SLOTS], 1, return_prev=True)
-                                        picks[slot] = (T.cast(u, U64) << T.uint64(32)) | T.cast(reversed_entry(e), U64)
+                each_visible(S, s_io, st, row, nvis, tiles, gather, (picks, st, ust))
                 # bitonic network, descending: (key, reversed entry) pairs are unique, so this is the stable order
                 for run in T.serial(LOG_KP):  # runs of 2 << run sorted, alternating, by strides 1 << (run - j)
                     for j in T.serial(run + 1):
