@@ -64,22 +64,6 @@ CANDIDATES = {
     "p_kperm_s3_mb1": {"decode": "kperm", "block_k": 256, "stages": 3, "min_blocks": 1},
     "p_kperm1_bn128_s2": {"decode": "kperm1", "block_n": 128, "threads": 256, "block_k": 256, "stages": 2,
                           "min_blocks": 1},
-    # W4A8 (moe_fp4_w4a8_sm90): activations quantized to FP8 per 1 x 128 (act_quant), codes converted to e4m3 by a
-    # byte permute, FP8 wgmma, promoted per 128 columns; block_k 128 (one promotion a step)
-    "w4a8": {"decode": "w4a8", "block_k": 128, "stages": 4, "min_blocks": 3},
-    "w4a8_s6": {"decode": "w4a8", "block_k": 128, "stages": 6, "min_blocks": 3},
-    "w4a8_bk256": {"decode": "w4a8", "block_k": 256, "stages": 3, "min_blocks": 4},
-    "w4a8_bk512": {"decode": "w4a8", "block_k": 512, "stages": 2, "min_blocks": 4},
-    "w4a8_ws": {"decode": "w4a8", "block_k": 256, "stages": 3, "min_blocks": 2, "warp_specialized": True},
-    "w4a8_mb4": {"decode": "w4a8", "block_k": 128, "stages": 4, "min_blocks": 4},
-    "w4a8_bn128": {"decode": "w4a8", "block_n": 128, "threads": 256, "block_k": 128, "stages": 4, "min_blocks": 2},
-    "p_w4a8_s2_mb2": {"decode": "w4a8", "block_k": 256, "stages": 2, "min_blocks": 2},
-    "p_w4a8_s3_mb2": {"decode": "w4a8", "block_k": 128, "stages": 3, "min_blocks": 2},
-    # split K (fp32 partials [split, rows, N]; the sum is timed apart): more, shorter CTAs at 1-8 tokens
-    "kperm1_sk2": {"decode": "kperm1", "stages": 3, "min_blocks": 4, "split_k": 2},
-    "kperm1_sk4": {"decode": "kperm1", "stages": 2, "min_blocks": 4, "split_k": 4},
-    "kperm1_sk2_mb5": {"decode": "kperm1", "stages": 2, "min_blocks": 5, "split_k": 2},
-    "kperm1_sk2_bk512": {"decode": "kperm1", "block_k": 512, "stages": 2, "min_blocks": 3, "split_k": 2},
     # 8-row tiles at decode sizes (wgmma n8; TILE_ROWS): half the activation tile, so deeper weight pipelines fit
     "kperm1_bm8": {"decode": "kperm1", "stages": 3, "min_blocks": 4},
     "kperm1_bm8_s4": {"decode": "kperm1", "stages": 4, "min_blocks": 3},
@@ -87,8 +71,7 @@ CANDIDATES = {
     # what the engine runs with moe_fp4.REPACKED (moe_fp4.kperm_tune: KPERM_TUNE / KPERM_PREFILL_TUNE, "kperm1")
     "engine_kperm1": "kperm_tune",
 }
-DECODE_ONLY = ("kperm1_mb4", "w4a8_s6", "w4a8_mb4", "kperm1_sk2", "kperm1_sk4", "kperm1_sk2_mb5", "kperm1_sk2_bk512",
-               "kperm1_bm8", "kperm1_bm8_s4", "kperm1_bm8_s5")  # tiles that cannot take 64 rows (skipped there)
+DECODE_ONLY = ("kperm1_mb4", "kperm1_bm8", "kperm1_bm8_s4", "kperm1_bm8_s5")  # tiles that cannot take 64 rows
 TILE_ROWS = {"kperm1_bm8": 8, "kperm1_bm8_s4": 8, "kperm1_bm8_s5": 8}  # candidates' own decode tile height
 
 
@@ -145,8 +128,8 @@ def copy_bandwidth() -> float:
 class Gemm:
     """One expert GEMM's operands at one token count, in the expert-major layout of tile `bm`."""
 
-    def __init__(self, idx, x, weights, bm: int, fp4: bool, kernel_weights=None, w4a8: bool = False, split: int = 1):
-        from tilekernels.ops import act_quant, moe_experts
+    def __init__(self, idx, x, weights, bm: int, fp4: bool, kernel_weights=None):
+        from tilekernels.ops import moe_experts
 
         n = weights[0].shape[1]
         self.dest, self.tiles = moe_experts.layout(idx, E, bm)
@@ -154,28 +137,17 @@ class Gemm:
         token_of = torch.arange(idx.shape[0], device=x.device).repeat_interleave(idx.shape[1])
         self.a = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
         self.a[self.dest] = x[token_of]
-        # split K: the kernel's fp32 partials, one per slice of K (the caller sums them)
-        self.c = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device) if split == 1 else \
-            torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+        self.c = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device)
         self.weights, self.fp4, self.bm = weights, fp4, bm  # the reference's operands
         self.kernel_weights = kernel_weights or weights  # the kernel's (a repacked layout for some candidates)
         self.experts = idx.reshape(-1)
-        self.a_ref = self.a  # what the kernel multiplies: W4A8 candidates take FP8 rows (1 x 128 groups, fp32 scales)
-        self.quant = ()
-        if w4a8:
-            codes, scales = act_quant.reference(self.a, 128, False)
-            self.quant = (codes.view(torch.uint8), scales)
-            self.a_ref = codes.float().view(-1, 128) * scales.reshape(-1, 1)
-            self.a_ref = self.a_ref.view(self.a.shape)
 
     def args(self):
-        return (*self.quant, *self.kernel_weights, self.tiles, self.c) if self.quant else \
-            (self.a, *self.kernel_weights, self.tiles, self.c)
+        return (self.a, *self.kernel_weights, self.tiles, self.c)
 
-    def error(self, max_experts: int = 64, activations=None) -> float:
+    def error(self, max_experts: int = 64) -> float:
         """max |kernel - reference| / max |reference| over the rows of (at most max_experts, drawn at random)
-        routed experts; the reference multiplies `activations` (default: what the kernel multiplies)."""
-        act = self.a_ref if activations is None else activations
+        routed experts."""
         from tilekernels.quant import unpack_fp4
 
         err = ref_max = 0.0
@@ -187,9 +159,8 @@ class Gemm:
                 w = unpack_fp4(vals) * (exps.float() - 127).exp2().repeat_interleave(32, dim=-1)
             else:
                 w = self.weights[0][e].float()
-            ref = act[rows].float() @ w.T
-            out = self.c if self.c.dim() == 2 else self.c.sum(0)
-            err = max(err, (out[rows].float() - ref).abs().max().item())
+            ref = self.a[rows].float() @ w.T
+            err = max(err, (self.c[rows].float() - ref).abs().max().item())
             ref_max = max(ref_max, ref.abs().max().item())
         return err / max(ref_max, 1e-30)
 
@@ -286,16 +257,10 @@ def main() -> None:
                     if fn is None:
                         raise RuntimeError(f"build failed: {failed[(kernel, v.n, v.k, v.block_m)]}")
                     kw = kernel_weights(g, kernel, bm) if kind == "fp4" else None
-                    w4a8 = kind == "fp4" and tune_of(kernel.split("@")[1], bm).decode == moe_fp4.W4A8
-                    split = tune_of(kernel.split("@")[1], bm).split_k if kind == "fp4" else 1
-                    gm = Gemm(idx, xg, w, v.block_m, kind == "fp4", kw, w4a8, split)
+                    gm = Gemm(idx, xg, w, v.block_m, kind == "fp4", kw)
                     fn(*gm.args())
                     torch.cuda.synchronize()
                     rel = gm.error()
-                    if split > 1:  # what summing the partials costs (PyTorch: a reduction and a cast)
-                        row["sum_us"] = round(timed(lambda gm=gm: gm.c.sum(0).to(torch.bfloat16), flush, 10) * 1e3, 2)
-                    if w4a8:  # the FP8 activations' own error: against the bf16 rows' product
-                        row["rel_err_vs_bf16_rows"] = float(f"{gm.error(activations=gm.a):.3g}")
                     ms = timed(lambda fn=fn, gm=gm: fn(*gm.args()), flush, args.iters)
                     gbs = gm.touched_bytes() / ms / 1e6
                     row.update(experts=int(gm.experts.unique().numel()), tiles=int(gm.tiles.numel()),

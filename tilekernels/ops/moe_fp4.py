@@ -47,12 +47,11 @@ class Tune:
     decode: str = "pair"
     warp_specialized: bool = False  # TMA producer warps + consumer warpgroup(s), or every thread does both
     min_blocks: int = 3  # CTAs per SM the registers must allow (__launch_bounds__)
-    split_k: int = 1  # >1 (K-permuted kernel, candidates): K cut into slices, fp32 partials [split_k, rows, N]
 
     @property
     def repacked(self) -> bool:
         """Whether the kernel takes `repack_for`'s K-permuted weights instead of the plain ones."""
-        return self.decode in KPERM or self.decode == W4A8
+        return self.decode in KPERM
 
     @property
     def pass_configs(self) -> dict:
@@ -60,7 +59,6 @@ class Tune:
 
 
 KPERM = ("kperm", "kperm1")  # decoders of moe_fp4_sm90's kernel (repacked weights)
-W4A8 = "w4a8"  # moe_fp4_w4a8_sm90's kernel: FP8 activations, codes converted to e4m3 (a candidate; block_k 128)
 TUNE = Tune()  # the default (from the sweep of benchmarks/fp4_experts.py)
 # Prefill sizes (64-row tiles, wgmma n64): the same kernel with a shallower K step and one stage less, so that
 # three CTAs' staging (64-row activation tiles, ~60 KB each) still fit an SM. The portable body it replaced took
@@ -96,10 +94,8 @@ def repack_for(tune: Tune, values, scales) -> tuple:
     """The weight operands the kernel of `tune` takes: (values, scales) unchanged, or K-permuted once."""
     if not tune.repacked:
         return values, scales
-    from tilekernels.ops import moe_fp4_sm90, moe_fp4_w4a8_sm90
+    from tilekernels.ops import moe_fp4_sm90
 
-    if tune.decode == W4A8:
-        return moe_fp4_w4a8_sm90.repack(values, scales)
     return moe_fp4_sm90.repack(values, scales, tune)
 
 
@@ -130,10 +126,6 @@ def body_decode(P, v, cfg=None, tune: Tune | None = None):
     from tilelang.layout import make_swizzled_layout
 
     tune = tune or tune_for(v.block_m)
-    if tune.decode == W4A8:  # another signature: FP8 activations and their scales first
-        from tilekernels.ops import moe_fp4_w4a8_sm90
-
-        return moe_fp4_w4a8_sm90.body(P, v, cfg, tune)
     if tune.repacked:
         from tilekernels.ops import moe_fp4_sm90
 

@@ -76,34 +76,28 @@ def check(v, tune) -> None:
     ok = tune.block_n in (64, 128) and tune.threads == 2 * tune.block_n and tune.block_k % CHUNK == 0
     require(ok, "moe_experts", f"the K-permuted FP4 kernel needs 64 weight rows per warpgroup (block_n 64 or 128, "
             f"2 threads per row) and block_k % {CHUNK} == 0, got {tune}")
-    require(v.dtype == "bfloat16" and v.n % tune.block_n == 0 and v.k % (tune.block_k * tune.split_k) == 0,
-            "moe_experts", f"the K-permuted FP4 kernel needs bf16, N % {tune.block_n} == 0 and K % (block_k x "
-            f"split_k) == 0, got {v}, {tune}")
+    require(v.dtype == "bfloat16" and v.n % tune.block_n == 0 and v.k % tune.block_k == 0, "moe_experts",
+            f"the K-permuted FP4 kernel needs bf16, N % {tune.block_n} == 0 and K % {tune.block_k} == 0, got {v}")
 
 
 def body(P, v, cfg=None, tune=None):
     """grouped_gemm_fp4 with `repack`ed W and S (the same bytes, K-permuted, as 32-bit words): A [MT*BM, K] bf16,
-    W [E, N, K/8] int32, S [E, N, K/128] int32, TileExpert [MT] int32, C [MT*BM, N] bf16 (with tune.split_k > 1:
-    fp32 partials [split_k, MT*BM, N], one per slice of K, for the caller to sum)."""
+    W [E, N, K/8] int32, S [E, N, K/128] int32, TileExpert [MT] int32, C [MT*BM, N] bf16."""
     T = P.T
     check(v, tune)
     N, K, E, BM, dtype = v.n, v.k, v.experts, v.block_m, v.dtype
     BN, BK = tune.block_n, tune.block_k
-    SK = tune.split_k
-    NT, KT = N // BN, K // BK // SK  # K steps per slice
+    NT, KT = N // BN, K // BK
     KS = K // FP4_BLOCK[1]
     MT = T.dynamic("MT")
-    c_shape, c_dtype = ((MT * BM, N), dtype) if SK == 1 else ((SK, MT * BM, N), "float32")
     fn = f"deepinfer_fp4_kperm_half<{'true' if tune.decode == 'kperm' else 'false'}, bfloat16_t>"
     WW, SW = BK // 8, KS // 4  # 32-bit words per tile row / exponent row
 
     @T.prim_func
     def kernel(A: T.Tensor((MT * BM, K), dtype), W: T.Tensor((E, N, K // 8), "int32"),
                S: T.Tensor((E, N, KS // 4), "int32"), TileExpert: T.Tensor((MT,), "int32"),
-               C: T.Tensor(c_shape, c_dtype)):
-        with T.Kernel(MT * NT * SK, threads=tune.threads) as bid:
-            pid = bid // SK if SK > 1 else bid  # the (M tile, N tile) of this CTA; bid % SK its slice of K
-            k0 = bid % SK * KT if SK > 1 else 0
+               C: T.Tensor((MT * BM, N), dtype)):
+        with T.Kernel(MT * NT, threads=tune.threads) as pid:
             T.annotate_min_blocks_per_sm(tune.min_blocks)
             T.import_source(SOURCE)
             x_s = T.alloc_shared((BM, BK), dtype)
@@ -117,8 +111,8 @@ def body(P, v, cfg=None, tune=None):
                 T.copy(S[TileExpert[pid // NT], n0, 0], s_s)
                 T.clear(acc)
                 for kk in T.Pipelined(KT, num_stages=tune.stages):
-                    T.copy(W[TileExpert[pid // NT], n0, (k0 + kk) * WW], w_s)
-                    T.copy(A[m0, (k0 + kk) * BK], x_s)
+                    T.copy(W[TileExpert[pid // NT], n0, kk * WW], w_s)
+                    T.copy(A[m0, kk * BK], x_s)
                     for i, j in T.Parallel(BN, BK):
                         # (i, j) sits in A register p = h + 2a of k16 step ki of thread t of warpgroup i // 64
                         # (wgmma m64n16k16 layout); each 64-row group is a repacked tile of its own
@@ -127,8 +121,7 @@ def body(P, v, cfg=None, tune=None):
                         # the word: 16 bytes per thread per 64 columns
                         wf = i // 64 * (64 * WW) + (ki // 4 * 128 + t) * 4 + ki % 4
                         b = ki % 16 // 2  # 32-block within the 256-column exponent chunk
-                        chunk = (k0 + kk) * (BK // CHUNK) + ki // 16
-                        sf = i // 64 * (64 * SW) + chunk * 128 + t // 4 * 4 + h * 2 + b // 4
+                        sf = i // 64 * (64 * SW) + (kk * (BK // CHUNK) + ki // 16) * 128 + t // 4 * 4 + h * 2 + b // 4
                         w_op[i, j] = T.call_extern(dtype, fn, T.cast(w_s[wf // WW, wf % WW], "uint32"), h + 2 * a,
                                                    T.cast(s_s[sf // SW, sf % SW], "uint32"), b % 4, j % 2)
                     if BN == 64:
@@ -136,10 +129,7 @@ def body(P, v, cfg=None, tune=None):
                     else:  # each warpgroup its own 64 rows (not half the tokens of all rows: twice the decode)
                         T.gemm(w_op, x_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(BN, BM):
-                    if SK == 1:
-                        C[m0 + j, n0 + i] = T.cast(acc[i, j], dtype)
-                    else:
-                        C[bid % SK, m0 + j, n0 + i] = acc[i, j]
+                    C[m0 + j, n0 + i] = T.cast(acc[i, j], dtype)
 
     return kernel
 
