@@ -301,10 +301,13 @@ def main() -> None:
         else:
             print(f"{r['tokens']:>6} {r['gemm']:>8} {r['kernel']:>26} {r['rel_err']:>8.2g}{'' if r['ok'] else '!'}"
                   f" {r['us']:>9.1f} {r['GBps']:>8.0f} {r['of_copy']:>8.1%}")
+    def height(r):  # the engine's tile height at the row's token count (TILE_ROWS' 8-row tiles compete at decode)
+        return max(r["block_m"], moe_experts.DECODE_BLOCK_M)
+
     best = {}  # per tile height: the candidates correct at every token count of that height, summed us
     for bm in sizes:
         for c in names:
-            mine = [r for r in rows if r["kernel"] == f"grouped_gemm_fp4@{c}" and r["block_m"] == bm]
+            mine = [r for r in rows if r["kernel"] == f"grouped_gemm_fp4@{c}" and height(r) == bm]
             if mine and all(r.get("ok") for r in mine):
                 best.setdefault(str(bm), {})[c] = round(sum(r["us"] for r in mine), 1)
     for bm, totals in best.items():
