@@ -71,8 +71,9 @@ CANDIDATES = {
     # what the engine runs with moe_fp4.REPACKED (moe_fp4.kperm_tune: KPERM_TUNE / KPERM_PREFILL_TUNE, "kperm1")
     "engine_kperm1": "kperm_tune",
 }
-DECODE_ONLY = ("kperm1_mb4", "kperm1_bm8", "kperm1_bm8_s4", "kperm1_bm8_s5")  # tiles that cannot take 64 rows
 TILE_ROWS = {"kperm1_bm8": 8, "kperm1_bm8_s4": 8, "kperm1_bm8_s5": 8}  # candidates' own decode tile height
+# candidates whose tile cannot take 64 rows (skipped at prefill sizes): those with their own decode height too
+DECODE_ONLY = ("kperm1_mb4", *TILE_ROWS)
 
 
 def tune_of(candidate: str, block_m: int):
