@@ -30,6 +30,25 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
     return Request(op_name, kernel_name, variant, build, pass_configs)
 
 
+def tune_request(op_name: str, kernel_name: str, variant: Any, body: Callable[..., Any], base: Any,
+                 pass_configs: dict | None = None) -> Request:
+    """The build request of a tune trial: kernel "<name>@<field=value,...>" is `body(P, variant, None, tune)` with
+    those integer fields of the tile dataclass `base` replaced (`tuned`), anything else the op's own `request`.
+    For benchmark sweeps; an override module wraps it in a module-level function that build workers import by
+    name."""
+    from tilekernels.op import tuned
+
+    if "@" not in kernel_name:
+        return request(op_name, kernel_name, variant)
+    tune = tuned(base, kernel_name.split("@", 1)[1])
+
+    def build(target):
+        func = body(Facade(target.traits), variant, None, tune)
+        return tl.dependent_launch(func) if target.traits.dependent_launch else func
+
+    return Request(op_name, kernel_name, variant, build, lambda target: dict(pass_configs or {}))
+
+
 class Launcher:
     """`launcher(op, kernel, variant)` -> the compiled callable for the compiler's target (memoized). Thread-safe:
     a key is loaded by one thread; another asking for it meanwhile waits for that load (`preload` fills the memo

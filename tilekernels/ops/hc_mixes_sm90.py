@@ -25,7 +25,7 @@ at 4096 tokens: 64 x 16; at 1-64 tokens 16 CTAs of one part each, reading up to 
 
 from dataclasses import dataclass
 
-from tilekernels.op import require, tuned
+from tilekernels.op import require
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,6 @@ def body(P, v, cfg=None, tune: Tune | None = None):
 def trial_request(op: str, kernel: str, variant):
     """Build request of a tune trial: kernel "<op>_split@<field=value,...>" is this kernel with those Tune fields
     (benchmark sweeps on the H200; module level so that build workers import it), anything else the op's own."""
-    from codegen import Request
-    from tilekernels.kernels import request
-    from tilekernels.lang import Facade
+    from tilekernels.kernels import tune_request
 
-    if "@" not in kernel:
-        return request(op, kernel, variant)
-    tune = tuned(TUNE, kernel.split("@", 1)[1])
-    return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})
+    return tune_request(op, kernel, variant, body, TUNE)

@@ -22,7 +22,7 @@ stored.
 
 from dataclasses import dataclass
 
-from tilekernels.op import require, tuned
+from tilekernels.op import require
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,6 @@ def body_decode(P, v, cfg=None, tune: Tune | None = None):
 def trial_request(op: str, kernel: str, variant):
     """Build request of a tune trial: kernel "grouped_gemm@<field=value,...>" is this kernel with those Tune
     fields (benchmark sweeps; module level so that build workers import it), anything else the op's own."""
-    from codegen import Request
-    from tilekernels.kernels import request
-    from tilekernels.lang import Facade
+    from tilekernels.kernels import tune_request
 
-    if "@" not in kernel:
-        return request(op, kernel, variant)
-    tune = tuned(TUNE, kernel.split("@", 1)[1])
-    return Request(op, kernel, variant, lambda t: body_decode(Facade(t.traits), variant, None, tune), lambda t: {})
+    return tune_request(op, kernel, variant, body_decode, TUNE)
