@@ -158,10 +158,6 @@ def main() -> None:
     parser.add_argument("--hc-fused", choices=("off", "on", "both"), default="on",
                         help="the mHC post-block and the next pre-block's partials in one kernel at decode rows "
                              "(tilekernels/ops/hc_mid.py; off: hc_post, then hc_pre's two kernels; both: off first)")
-    parser.add_argument("--hc-pre-fused", choices=("off", "on", "both"), default="on",
-                        help="the mHC pre-block in one kernel above hc_pre.FUSED_ROWS rows (prefill, batch 128; "
-                             "tilekernels/ops/hc_pre.py; off: its two kernels at every row count; both: off first, "
-                             "prefill measured in each)")
     args = parser.parse_args()
 
     from backends.nvidia.side_stream import SideStream
@@ -173,7 +169,7 @@ def main() -> None:
     from deepinfer.tiny import random_tensors
     from tilekernels import reference_table
     from tilekernels.kernels import kernel_table
-    from tilekernels.ops import hc_mid, hc_pre
+    from tilekernels.ops import hc_mid
 
     dtype = torch.bfloat16
     cfg = ModelConfig.from_model_dir(SLICE)
@@ -200,21 +196,17 @@ def main() -> None:
           f"slice weights {results['weights_gb']:.1f} GB", flush=True)
     overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
     fusions = {"off": (False,), "on": (True,), "both": (False, True)}[args.hc_fused]
-    pre_fusions = {"off": (False,), "on": (True,), "both": (False, True)}[args.hc_pre_fused]
-    fused_rows, pre_rows = hc_mid.FUSED_ROWS, hc_pre.FUSED_ROWS
+    fused_rows = hc_mid.FUSED_ROWS
     for invariant in modes:
         for overlap in overlaps:
             for fused in fusions:
-                for pre_fused in pre_fusions:
-                    hc_mid.FUSED_ROWS = fused_rows if fused else 0  # 0: every call takes hc_post and hc_pre
-                    hc_pre.FUSED_ROWS = pre_rows if pre_fused else 1 << 40  # never: the two kernels
-                    model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir, invariant=invariant),
-                                       side=SideStream(torch.device("cuda")) if overlap else None)
-                    measure(model, cfg, specs, quantization, bw, dtype, args, results, invariant,
-                            prefill_too=overlap == overlaps[-1] and fused == fusions[-1], hc_fused=fused,
-                            hc_pre_fused=pre_fused)
-                    del model
-    hc_mid.FUSED_ROWS, hc_pre.FUSED_ROWS = fused_rows, pre_rows
+                hc_mid.FUSED_ROWS = fused_rows if fused else 0  # 0: every call takes hc_post and hc_pre
+                model = DeepseekV4(cfg, weights, kernel_table("sm90", Env.read().cache_dir, invariant=invariant),
+                                   side=SideStream(torch.device("cuda")) if overlap else None)
+                measure(model, cfg, specs, quantization, bw, dtype, args, results, invariant,
+                        prefill_too=overlap == overlaps[-1] and fused == fusions[-1], hc_fused=fused)
+                del model
+    hc_mid.FUSED_ROWS = fused_rows
     if len(modes) == 2:
         print(invariance_cost(results), flush=True)
     if args.quantized or args.batch_invariant != "off":  # the reference path dequantizes per call (quantized)
@@ -238,7 +230,7 @@ def main() -> None:
 
 
 def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: dict, invariant: bool,
-            prefill_too: bool = True, hc_fused: bool = True, hc_pre_fused: bool = True) -> None:
+            prefill_too: bool = True, hc_fused: bool = True) -> None:
     """Decode steps (CUDA graphs) at each context and batch, then (`prefill_too`) prefill at 4K and 16K, into
     `results` (rows tagged with the batch-invariant mode and the decode step's second stream)."""
     from backends.nvidia.graphs import CudaGraphs
@@ -246,7 +238,7 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
 
     overlap = model.side is not None
     mode = (("batch-invariant" if invariant else "default") + " kernels" + (", two streams" if overlap else ", one stream")
-            + ("" if hc_fused else ", mHC post and pre apart") + ("" if hc_pre_fused else ", mHC pre in two kernels"))
+            + ("" if hc_fused else ", mHC post and pre apart"))
     print(f"## {mode}\n| context | batch | step ms | tok/s | floor ms | step / floor |\n|---|---|---|---|---|---|")
     for context in [int(c) for c in args.contexts.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -257,8 +249,7 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
                 ms = cuda_ms(lambda: graphs.run(ids, pos, seqs), 10)
             floor = floor_bytes(cfg, specs, batch, context, quantization) / (bw * 1e9) * 1e3
             row = dict(context=context, batch=batch, step_ms=ms, tok_s=batch / ms * 1e3, floor_ms=floor,
-                       ratio=ms / floor, invariant=invariant, overlap=overlap, hc_fused=hc_fused,
-                       hc_pre_fused=hc_pre_fused)
+                       ratio=ms / floor, invariant=invariant, overlap=overlap, hc_fused=hc_fused)
             results["decode"].append(row)
             print(f"| {context} | {batch} | {ms:.3f} | {row['tok_s']:.0f} | {floor:.3f} | {ms / floor:.2f}x |", flush=True)
             cache = graphs = None
@@ -272,7 +263,7 @@ def measure(model, cfg, specs, quantization, bw: float, dtype, args, results: di
                       f"token), {tflops / PEAK_BF16_TFLOPS:.1%} of the {PEAK_BF16_TFLOPS} TFLOP/s dense bf16 peak",
                       flush=True)
                 results["prefill"].append(dict(row, invariant=invariant, useful_tflops=tflops,
-                                               of_bf16_peak=tflops / PEAK_BF16_TFLOPS, hc_pre_fused=hc_pre_fused))
+                                               of_bf16_peak=tflops / PEAK_BF16_TFLOPS))
 
 
 PEAK_BF16_TFLOPS = 989  # H100 / H200 SXM, dense bf16 tensor cores

@@ -30,17 +30,13 @@ def test_decode_rows_take_the_fused_form(rows):
 
 
 @pytest.mark.parametrize("rows, hidden, hc, invariant", [
+    (hc_mid.FUSED_ROWS + 1, 4096, 4, False),  # prefill rows
     (1, 4096, 4, True),  # the batch-invariant mode: the same kernels at every row count
     (1, 48, 2, False),  # no fused form: 96 values a row, not a multiple of the GPU threads
-    (hc_mid.FUSED_ROWS + 1, 4096, 4, True),
 ])
 def test_otherwise_the_post_block_then_the_pre_block(rows, hidden, hc, invariant):
     assert launched(rows, hidden, hc, invariant) == [("hc_post", "hc_post"), ("hc_pre", "hc_pre_split"),
                                                       ("hc_pre", "hc_pre_finish")]
-
-
-def test_prefill_rows_take_the_post_block_then_the_one_pass_pre_block():
-    assert launched(hc_mid.FUSED_ROWS + 1, 4096, 4) == [("hc_post", "hc_post"), ("hc_pre", "hc_pre_fused")]
 
 
 def test_a_slice_decode_step_runs_one_partials_kernel_and_no_collapse_norm():
@@ -52,8 +48,6 @@ def test_a_slice_decode_step_runs_one_partials_kernel_and_no_collapse_norm():
     one, wide = count(SLICE, 1, False), count(SLICE, hc_mid.FUSED_ROWS + 1, False)
     assert one[("hc_mid", "hc_mid_post")] == 2 * layers and ("hc_post", "hc_post") not in one
     assert one[("hc_pre", "hc_pre_split")] == 1 and one[("hc_pre", "hc_pre_finish")] == 2 * layers + 1
-    # wider: hc_post, then hc_pre's one-pass kernel (the HyperHead's too)
-    assert wide[("hc_pre", "hc_pre_fused")] == 2 * layers + 1 and wide[("hc_post", "hc_post")] == 2 * layers
-    assert ("hc_pre", "hc_pre_split") not in wide
+    assert wide[("hc_pre", "hc_pre_split")] == 2 * layers + 1 and wide[("hc_post", "hc_post")] == 2 * layers
     # the norms left are the attention's own (query and key latents), the same at both sizes
     assert one[("rms_norm", "rms_norm")] == wide[("rms_norm", "rms_norm")]

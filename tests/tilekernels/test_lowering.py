@@ -37,7 +37,6 @@ CASES = {
     ("moe_experts", "moe_combine"): moe_decode.CombineVariant(4096, 6, "bfloat16"),
     ("hc_pre", "hc_pre_split"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),  # sm90: hc_mixes_sm90's GEMM
     ("hc_pre", "hc_pre_finish"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=16),
-    ("hc_pre", "hc_pre_fused"): hc_pre.Variant(4, 4096, 20, "bfloat16", split=32),  # sm90: hc_pre_sm90's clusters
     ("hc_post", "hc_post"): hc_post.Variant(4, 4096, "bfloat16"),
     ("hc_mid", "hc_mid_post"): hc_mid.Variant(4, 4096, "bfloat16", 128),
     ("sparse_attention", "split"): sparse_attention.Variant(64, 512, "bfloat16"),
@@ -71,7 +70,6 @@ ODD = {
     ("moe_gate", "moe_gate"): moe_gate.Variant(6, 2, "sqrtsoftplus", "bfloat16"),
     ("hc_pre", "hc_pre_split"): hc_pre.Variant(3, 41, 20, "bfloat16", split=2),  # K 123: portable on sm90 too
     ("hc_pre", "hc_pre_finish"): hc_pre.Variant(3, 40, 20, "bfloat16"),
-    ("hc_pre", "hc_pre_fused"): hc_pre.Variant(3, 40, 20, "bfloat16"),  # the portable body on sm90 too
     # K 120 in 3 parts of one 64-column step on sm90: a partial step and a part wholly past K (zero-filled loads)
     ("hc_mixes", "hc_mixes_split"): hc_mixes.Variant(3, 40, 20, "bfloat16", split=3),
     ("hc_post", "hc_post"): hc_post.Variant(4, 100, "bfloat16"),
@@ -111,8 +109,8 @@ IDS = ([f"{c[0]}.{c[1]}" for c in CASES] + [f"{c[0]}.{c[1]}-odd" for c in ODD]
 # hc_pre's norm form (the collapse RMS-normalized in the finish): V4-Flash's width, and a ragged one (chunks of 512)
 NORMED = {"norm": hc_pre.Variant(4, 4096, 20, "bfloat16", split=32, norm=True),
           "norm-ragged": hc_pre.Variant(3, 600, 20, "bfloat16", split=4, norm=True)}
-ALL += [(("hc_pre", kernel), v) for kernel in ("hc_pre_finish", "hc_pre_fused") for v in NORMED.values()]
-IDS += [f"hc_pre.{kernel}-{label}" for kernel in ("hc_pre_finish", "hc_pre_fused") for label in NORMED]
+ALL += [(("hc_pre", "hc_pre_finish"), v) for v in NORMED.values()]
+IDS += [f"hc_pre.hc_pre_finish-{label}" for label in NORMED]
 
 
 # Kernels lowered elsewhere: the K-permuted FP4 expert kernels are sm90 bodies (tests/test_fp4_repacked.py lowers
@@ -237,22 +235,6 @@ def test_hc_partials_on_sm90_are_the_tensor_core_gemm(case, cache):
     source = Compiler(source_only("sm90"), cache).get(request(*case, variant)).file("cuda").read_text()
     assert "wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32" in source
     assert "tma_load" in source
-
-
-def test_hc_pre_fused_on_sm90_is_the_cluster_kernel(cache):
-    """bf16 V4 widths on sm_90a: hc_pre_sm90's override (one cluster of CTAs per row tile, the partials on wgmma,
-    exchanged over distributed shared memory); the portable body elsewhere and for widths it does not take."""
-    from tilekernels.ops import hc_pre_sm90
-
-    case = ("hc_pre", "hc_pre_fused")
-    variant, kernel = CASES[case], DECLARED["hc_pre"].kernel("hc_pre_fused")
-    assert kernel.body_for("sm90", variant) is hc_pre_sm90.body
-    assert all(kernel.body_for(t, variant) is kernel.body for t in ("sm100", "ascend", "c"))
-    assert kernel.body_for("sm90", ODD[case]) is kernel.body
-    for v in (variant, NORMED["norm"]):
-        source = Compiler(source_only("sm90"), cache).get(request(*case, v)).file("cuda").read_text()
-        assert all(key in source for key in ("wgmma_ss<tl::DataType::kBFloat16", "tma_load", "map_shared_rank",
-                                             "cluster_sync", "__shfl_sync"))
 
 
 @pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])

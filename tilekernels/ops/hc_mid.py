@@ -11,7 +11,7 @@ of mixing weights on the H200, `hc_post` 1.7 us).
   collapse. Part p covers columns [p * part, (p + 1) * part) of every stream: another partition of K than
   `hc_pre`'s split (the sums' last bits differ from it, as the sm90 GEMM's do from the portable split).
 - Otherwise (more rows: prefill; the batch-invariant mode; widths without a fused form) `hc_post`'s kernel, then
-  `hc_pre` (above `hc_pre.FUSED_ROWS` rows its one-pass kernel, else its two), unchanged. A decode step and a speculative verify step of up to
+  `hc_pre`'s two (their GEMM partials at prefill), unchanged. A decode step and a speculative verify step of up to
   `FUSED_ROWS` rows take the same form, so a row's bits do not depend on which of the two it is in."""
 
 from dataclasses import dataclass

@@ -88,9 +88,7 @@ def split_for(columns: int) -> int:
 
 
 def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
-    """The mixes kernel of `stage`: "fused" (`hc_pre`'s prefill form: `collapse` only) one tile per token: the
-    row staged whole, its matvec chunk by chunk, the tail and the collapse (as "split" with one part, then
-    "finish"); "split" the partial mixing dot products and sums of squares of tiles
+    """The mixes kernel of `stage`: "split" the partial mixing dot products and sums of squares of tiles
     (token, part) over each part's contiguous chunks into fp32 workspaces [M, split * MIX] and [M, split];
     "finish" per token: the partials summed in part order, then the tail, storing with `collapse` the streams
     collapsed with the pre mix just computed (`hc_pre`) instead of the pre mix itself (`hc_mixes`); with `v.norm`
@@ -238,10 +236,6 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                             if hb * BH + j < H:
                                 Out[row, hb * BH + j] = T.cast(weighted(pre_io, s_io, hb * BH + j), dtype)
 
-    def tail_io():  # the tail's staging: mix, pre, post, comb, its Sinkhorn twin, the row reductions
-        return (P.alloc_io((MIX,), "float32"), P.alloc_io((N,), "float32"), P.alloc_io((N,), "float32"),
-                P.alloc_io((N * N,), "float32"), P.alloc_io((N * N,), "float32"), P.alloc_io((N,), "float32"))
-
     def sum_parts(buf, i, stride):
         total = buf[i]
         for p in range(1, SP):
@@ -287,7 +281,12 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
             s_io = P.alloc_io((KN,), dtype) if collapse else None
             d_io = P.alloc_io((SP * MIX,), "float32")
             q_io = P.alloc_io((SP,), "float32")
-            mix_io, pre_io, post_io, comb_io, alt_io, red_io = tail_io()
+            mix_io = P.alloc_io((MIX,), "float32")
+            pre_io = P.alloc_io((N,), "float32")
+            post_io = P.alloc_io((N,), "float32")
+            comb_io = P.alloc_io((N * N,), "float32")
+            alt_io = P.alloc_io((N * N,), "float32")
+            red_io = P.alloc_io((N,), "float32")
             o_io = P.alloc_io((NH * BH if NORM else BH,), dtype) if collapse else None
             acc = P.alloc_vec((MIX,), "float32")
             ss = P.alloc_vec((1,), "float32")
@@ -303,49 +302,8 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                 tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, alt_io, red_io, o_io, Scale, Base, Pre, Post,
                      Comb, Out, Wn, hc_eps, norm_eps)
 
-    def whole(s_io, c, j):  # the row staged whole in s_io: chunk c's column j (0 past the end)
-        if KN % BC == 0:
-            return T.cast(s_io[c * BC + j], "float32")
-        return T.if_then_else(c * BC + j < KN, T.cast(s_io[T.min(c * BC + j, KN - 1)], "float32"), 0.0)
-
-    fused_step = matvec_step(KN % BC != 0, whole)
-
-    @T.macro
-    def fused(S, Fn, Base, Scale, Post, Comb, Out, Wn, hc_eps, norm_eps):
-        with P.kernel(M, cfg.threads) as pid:
-            s_io = P.alloc_io((KN,), dtype)
-            f_io = P.alloc_io((MIX, BC), "float32")
-            mix_io, pre_io, post_io, comb_io, alt_io, red_io = tail_io()
-            o_io = P.alloc_io((NH * BH if NORM else BH,), dtype)
-            acc = P.alloc_vec((MIX,), "float32")
-            ss = P.alloc_vec((1,), "float32")
-            for row in P.tiles(M, pid):
-                T.copy(S[row, 0:KN], s_io)
-                with P.vector(cfg.threads):
-                    for o in T.Parallel(MIX):
-                        acc[o] = 0.0
-                    ss[0] = 0.0
-                for c in T.serial(NC):  # the chunks in order: as the split stage's with one part
-                    fused_step(Fn, s_io, f_io, acc, ss, c)
-                tail(row, acc, ss, s_io, mix_io, pre_io, post_io, comb_io, alt_io, red_io, o_io, Scale, Base, None,
-                     Post, Comb, Out, Wn, hc_eps, norm_eps)
-
     Tn, F32 = T.Tensor, "float32"
-    if stage == "fused" and NORM:
-        @T.prim_func
-        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
-                   Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype), Wn: Tn((H,), F32),
-                   hc_eps: T.float32, norm_eps: T.float32):
-            fused(S, Fn, Base, Scale, Post, Comb, Out, Wn, hc_eps, norm_eps)
-    elif stage == "fused":
-        require(collapse, "hc_mixes", "the fused stage stores the collapse (hc_pre's)")
-
-        @T.prim_func
-        def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Base: Tn((MIX,), F32), Scale: Tn((3,), F32),
-                   Post: Tn((M, N), F32), Comb: Tn((M, N * N), F32), Out: Tn((M, H), dtype), hc_eps: T.float32,
-                   norm_eps: T.float32):
-            fused(S, Fn, Base, Scale, Post, Comb, Out, None, hc_eps, norm_eps)
-    elif stage == "split":
+    if stage == "split":
         @T.prim_func
         def kernel(S: Tn((M, KN), dtype), Fn: Tn((MIX, KN), F32), Dots: Tn((M, SP * MIX), F32), Sq: Tn((M, SP), F32)):
             partials(S, Fn, Dots, Sq)
@@ -368,7 +326,7 @@ def mixes_body(P, v, cfg, collapse: bool, stage: str = "split"):
                    norm_eps: T.float32):
             finish(None, Dots, Sq, Base, Scale, Pre, Post, Comb, None, None, hc_eps, norm_eps)
     else:
-        raise ValueError(f"unknown mixes stage {stage!r} (split, finish, fused)")
+        raise ValueError(f"unknown mixes stage {stage!r} (split, finish)")
     return kernel
 
 

@@ -1,14 +1,13 @@
 """mHC pre-block: from the N residual streams compute the pre/post/comb mixes (comb projected onto doubly
 stochastic matrices by Sinkhorn-Knopp) and collapse the streams into the block input. All math in fp32."""
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from tilekernels import dtypes
-from tilekernels.op import Kernel, OpDecl, Override, require
-from tilekernels.ops import hc_collapse, hc_mixes, hc_pre_sm90, rms_norm
+from tilekernels.op import OpDecl, require
+from tilekernels.ops import hc_collapse, hc_mixes, rms_norm
 
 
 def reference(
@@ -42,16 +41,10 @@ class Variant:
 
 # hc_mixes' kernels, storing the collapse instead of pre: "hc_pre_split" partial mixing products of (token, part)
 # tiles (on sm_90a a tensor-core GEMM: `hc_mixes_sm90`) and "hc_pre_finish" their sum per token, the tail and the
-# collapse
-# collapse (`hc_mixes_sm90`'s GEMM partials at prefill rows), and "hc_pre_fused" all of it in one kernel: at prefill
-# rows (`fused`) on sm_90a one pass over the streams by clusters of CTAs (`hc_pre_sm90`), elsewhere one tile per
-# token (the row staged whole: also one read of the streams)
-FUSED_ROWS = 64  # above this many rows (prefill) the fused kernel; up to it (decode, verify) the two kernels
-KERNELS = (*hc_mixes.kernels("hc_pre", collapse=True),
-           Kernel("hc_pre_fused", functools.partial(hc_mixes.mixes_body, collapse=True, stage="fused"),
-                  configs={**hc_mixes.CONFIGS, "sm90": hc_mixes.Config(pass_configs=hc_pre_sm90.PASS_CONFIGS),
-                           "sm100": hc_mixes.FINISH_CONFIGS["sm100"]},
-                  overrides=(Override("sm90", hc_pre_sm90.fits, hc_pre_sm90.body),)))
+# collapse. (A one-pass form above 64 rows, on sm_90a a cluster of 16 CTAs per 32 rows keeping their columns of the
+# streams in shared memory and exchanging the partials over distributed shared memory, was correct but ran at 0.64x
+# of these two on the H100: BENCHMARKS.md, seventeenth round; its code is in commit 237c90a.)
+KERNELS = hc_mixes.kernels("hc_pre", collapse=True)
 
 
 def variant(streams: torch.Tensor, sinkhorn_iters: int, norm: bool = False) -> Variant:
@@ -76,36 +69,12 @@ def finish(launch, v: Variant, s, dots, sq, base, scale, hc_eps, norm_eps, norm=
     return post, comb.view(m, n, n), out
 
 
-def fused(v: Variant, rows: int, invariant: bool = False) -> bool:
-    """Whether `run` launches "hc_pre_fused" (one kernel) rather than the partials and the finish: above
-    FUSED_ROWS rows, outside the batch-invariant mode (the decode form's sums run in another order), for the
-    shapes the sm_90a one-pass kernel takes (`hc_pre_sm90.fits`; the others keep the two kernels everywhere)."""
-    return rows > FUSED_ROWS and not invariant and hc_pre_sm90.fits(v)
-
-
 def run(launch, streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=None):
     m, n, h = streams.shape
     v = variant(streams, sinkhorn_iters, norm is not None)
     hc_mixes.check("hc_pre", streams, fn, base, scale, sinkhorn_iters)
     s = streams.reshape(m, n * h).contiguous()
-    if not fused(v, m, getattr(launch, "invariant", False)):
-        return finish(launch, v, s, *hc_mixes.partials(launch, "hc_pre", v, s, fn), base, scale, hc_eps, norm_eps,
-                      norm)
-    return launch_fused(launch, v, s, fn, base, scale, hc_eps, norm_eps, norm)
-
-
-def launch_fused(launch, v: Variant, s, fn, base, scale, hc_eps, norm_eps, norm=None):
-    """"hc_pre_fused" of variant `v` on the streams s [M, N*H] -> (post [M, N], comb [M, N, N], collapsed [M, H])."""
-    m, h, n = s.shape[0], v.hidden, v.hc
-    require(norm is None or norm.shape == (h,), "hc_pre", f"norm must be [{h}] (the hidden size), got "
-            f"{None if norm is None else list(norm.shape)}")
-    post = torch.empty(m, n, dtype=torch.float32, device=s.device)
-    comb = torch.empty(m, n * n, dtype=torch.float32, device=s.device)
-    out = torch.empty(m, h, dtype=s.dtype, device=s.device)
-    weight = () if norm is None else (norm.float().contiguous(),)
-    launch("hc_pre_fused", v)(s, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), post,
-                              comb, out, *weight, float(hc_eps), float(norm_eps))
-    return post, comb.view(m, n, n), out
+    return finish(launch, v, s, *hc_mixes.partials(launch, "hc_pre", v, s, fn), base, scale, hc_eps, norm_eps, norm)
 
 
 def example(v: Variant, rows: int, device) -> tuple:
@@ -119,5 +88,5 @@ OP = OpDecl(
     "hc_pre", "mHC mixes with Sinkhorn and stream collapse", reference,
     kernels=KERNELS,
     tolerance={"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)},
-    run=run, example=example, row_samples=(FUSED_ROWS + 1,),
+    run=run, example=example,
 )
