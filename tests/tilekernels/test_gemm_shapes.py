@@ -227,3 +227,27 @@ def test_tune_trials_parse_their_fields_and_name_a_bad_one():
         tuned(pre.TUNE, "blockn=128")
     with pytest.raises(ValueError, match="'stages=x'"):
         tuned(pre.TUNE, "stages=x")
+
+
+def test_a_tune_trial_request_builds_the_override_with_its_tile():
+    """`kernels.tune_request`: "<kernel>@<fields>" builds the override's body with those fields of its tile (and
+    the target's dependent-launch wait, as the engine's kernel); a plain name is the op's own request; a bad field
+    is refused before anything is built."""
+    from tilekernels.kernels import tune_request
+    from tilekernels.ops import hc_mixes_sm90, hc_pre
+
+    v = hc_pre.Variant(4, 4096, 20, "bfloat16", 32)
+    seen = []
+
+    def body(P, variant, cfg, tune):
+        seen.append((variant, cfg, tune))
+        return "func"
+
+    req = tune_request("hc_pre", "hc_pre_split@stages=3,block_k=128", v, body, hc_mixes_sm90.TUNE, {"key": 1})
+    assert req.kernel == "hc_pre_split@stages=3,block_k=128" and req.pass_configs(None) == {"key": 1}
+    target = backends.get("c")  # no dependent launch: the body's function as it is
+    assert req.build(target) == "func"
+    assert seen == [(v, None, hc_mixes_sm90.Tune(stages=3, block_k=128))]
+    assert tune_request("hc_pre", "hc_pre_split", v, body, hc_mixes_sm90.TUNE).kernel == "hc_pre_split" and not seen[1:]
+    with pytest.raises(ValueError, match="'stage=3'"):
+        tune_request("hc_pre", "hc_pre_split@stage=3", v, body, hc_mixes_sm90.TUNE)
