@@ -21,8 +21,8 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
     kernel = DECLARED[op_name].kernel(kernel_name)
 
     def build(target):
-        func = kernel.body_for(target.name, variant)(Facade(target.traits), variant, kernel.config(target.name))
-        return tl.dependent_launch(func) if target.traits.dependent_launch else func
+        return launched(kernel.body_for(target.name, variant)(Facade(target.traits), variant,
+                                                              kernel.config(target.name)), target)
 
     def pass_configs(target) -> dict:
         return dict(getattr(kernel.config(target.name), "pass_configs", None) or {})
@@ -30,21 +30,29 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
     return Request(op_name, kernel_name, variant, build, pass_configs)
 
 
+def launched(func: Any, target) -> Any:
+    """A kernel's PrimFunc as `target` launches it: on a target whose kernels wait on their predecessor in-kernel
+    (CUDA PDL), with that wait."""
+    return tl.dependent_launch(func) if target.traits.dependent_launch else func
+
+
 def tune_request(op_name: str, kernel_name: str, variant: Any, body: Callable[..., Any], base: Any,
-                 pass_configs: dict | None = None) -> Request:
-    """The build request of a tune trial: kernel "<name>@<field=value,...>" is `body(P, variant, None, tune)` with
-    those integer fields of the tile dataclass `base` replaced (`tuned`), anything else the op's own `request`.
-    For benchmark sweeps; an override module wraps it in a module-level function that build workers import by
-    name."""
+                 pass_configs: dict | None = None, cfg: Any = None,
+                 portable: Callable[..., Any] | None = None) -> Request:
+    """The build request of a tune trial: kernel "<name>@<field=value,...>" is `body(P, variant, cfg, tune)` with
+    those integer fields of the tile dataclass `base` replaced (`tuned`); "<name>@portable" is `portable(P, variant,
+    cfg)` where the override has one to compare with; anything else the op's own `request`. For benchmark sweeps;
+    an override module wraps it in a module-level function that build workers import by name."""
     from tilekernels.op import tuned
 
     if "@" not in kernel_name:
         return request(op_name, kernel_name, variant)
-    tune = tuned(base, kernel_name.split("@", 1)[1])
+    spec = kernel_name.split("@", 1)[1]
+    tune = None if spec == "portable" and portable is not None else tuned(base, spec)
 
     def build(target):
-        func = body(Facade(target.traits), variant, None, tune)
-        return tl.dependent_launch(func) if target.traits.dependent_launch else func
+        P = Facade(target.traits)
+        return launched(portable(P, variant, cfg) if tune is None else body(P, variant, cfg, tune), target)
 
     return Request(op_name, kernel_name, variant, build, lambda target: dict(pass_configs or {}))
 

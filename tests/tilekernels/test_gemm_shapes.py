@@ -251,3 +251,7 @@ def test_a_tune_trial_request_builds_the_override_with_its_tile():
     assert tune_request("hc_pre", "hc_pre_split", v, body, hc_mixes_sm90.TUNE).kernel == "hc_pre_split" and not seen[1:]
     with pytest.raises(ValueError, match="'stage=3'"):
         tune_request("hc_pre", "hc_pre_split@stage=3", v, body, hc_mixes_sm90.TUNE)
+    # "@portable": the portable body with the given config, where the override names one
+    req = tune_request("hc_pre", "hc_pre_split@portable", v, body, hc_mixes_sm90.TUNE, cfg="sm90 cfg",
+                       portable=lambda P, variant, cfg: seen.append((variant, cfg)) or "portable")
+    assert req.build(target) == "portable" and seen[-1] == (v, "sm90 cfg")

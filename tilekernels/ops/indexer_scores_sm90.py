@@ -12,7 +12,7 @@ kept; the head sum's order differs from the portable body's (scores agree to fp3
 
 from dataclasses import dataclass
 
-from tilekernels.op import require, tuned
+from tilekernels.op import require
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,8 @@ def body(P, v, cfg=None, tune: Tune | None = None):
 def trial_request(op: str, kernel: str, variant):
     """Build request of a tune trial: "indexer_scores@<field=value,...>" is this kernel with those Tune fields,
     "indexer_scores@portable" the portable body (benchmark sweeps; module level so that build workers import it)."""
-    from codegen import Request
-    from tilekernels.lang import Facade
+    from tilekernels.kernels import tune_request
     from tilekernels.ops import indexer_scores
 
-    spec = kernel.split("@", 1)[1]
-    if spec == "portable":
-        cfg = indexer_scores.KERNEL.config("sm90")
-        return Request(op, kernel, variant, lambda t: indexer_scores.body(Facade(t.traits), variant, cfg),
-                       lambda t: {})
-    tune = tuned(TUNE, spec)
-    return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})
+    return tune_request(op, kernel, variant, body, TUNE, cfg=indexer_scores.KERNEL.config("sm90"),
+                        portable=indexer_scores.body)

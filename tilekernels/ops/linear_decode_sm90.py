@@ -24,7 +24,7 @@ token; lm_head alone took 0.36 ms of a 2.27 ms V4-Flash slice step against 0.25 
 from dataclasses import dataclass
 
 from tilekernels import l2_prefetch
-from tilekernels.op import require, tuned
+from tilekernels.op import require
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,8 @@ def body(P, v, cfg=None, tune: Tune | None = None):
 def trial_request(op: str, kernel: str, variant):
     """Build request of a tune trial: kernel "gemm@<field=value,...>" is this kernel with those Tune fields,
     "gemm@portable" the portable body (benchmark sweeps; module level so that build workers import it)."""
-    from codegen import Request
-    from tilekernels.lang import Facade
+    from tilekernels.kernels import tune_request
     from tilekernels.ops import linear
 
-    spec = kernel.split("@", 1)[1]
-    base = linear.KERNEL.config("sm90")
-    if spec == "portable":
-        return Request(op, kernel, variant, lambda t: linear.body(Facade(t.traits), variant, base), lambda t: {})
-    tune = tuned(TUNE, spec)
-    return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, base, tune), lambda t: {})
+    return tune_request(op, kernel, variant, body, TUNE, cfg=linear.KERNEL.config("sm90"),
+                        portable=linear.body)

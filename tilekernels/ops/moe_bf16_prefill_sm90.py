@@ -12,7 +12,7 @@ expert's rows) does nothing. Ragged N and K are tensor edges (zero-filled loads,
 
 from dataclasses import dataclass
 
-from tilekernels.op import require, tuned
+from tilekernels.op import require
 
 ROWS = (64, 128)  # the M tiles it takes: one consumer warpgroup per 64 rows
 
@@ -86,13 +86,8 @@ def trial_request(op: str, kernel: str, variant):
     """Build request of a tune trial: "grouped_gemm@<field=value,...>" is this kernel with those Tune fields,
     "grouped_gemm@portable" the portable body with the sm90 config (benchmark sweeps; module level so that build
     workers import it)."""
-    from codegen import Request
-    from tilekernels.lang import Facade
+    from tilekernels.kernels import tune_request
     from tilekernels.ops import moe_experts
 
-    spec = kernel.split("@", 1)[1]
-    if spec == "portable":
-        cfg = moe_experts.KERNEL.config("sm90")
-        return Request(op, kernel, variant, lambda t: moe_experts.body(Facade(t.traits), variant, cfg), lambda t: {})
-    tune = tuned(TUNE, spec)
-    return Request(op, kernel, variant, lambda t: body(Facade(t.traits), variant, None, tune), lambda t: {})
+    return tune_request(op, kernel, variant, body, TUNE, cfg=moe_experts.KERNEL.config("sm90"),
+                        portable=moe_experts.body)
