@@ -27,8 +27,12 @@ ROWS = (512, 4096, 16384)
 DEVICE = "cuda"
 
 
-def _t(bm, bn, bk, stages, threads, panel=0, stage_c=False):
-    return dict(block_m=bm, block_n=bn, block_k=bk, stages=stages, threads=threads, panel=panel, stage_c=stage_c)
+def _t(bm, bn, bk, stages, threads, panel=0, stage_c=False, min_blocks=0, ws=True):
+    """The override's Tiles fields, and `ws`: False builds the candidate with TileLang's
+    `tl.disable_warp_specialized` (no producer warpgroup: every thread issues cp.async loads; a tune trial only, the
+    engine's override always builds warp-specialised)."""
+    return dict(block_m=bm, block_n=bn, block_k=bk, stages=stages, threads=threads, panel=panel, stage_c=stage_c,
+                min_blocks=min_blocks, ws=ws)
 
 
 CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's selection / the portable body)
@@ -42,6 +46,9 @@ CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's select
     "big-128x256x64-s3-w32-stc": _t(128, 256, 64, 3, 256, 32, True),
     "big-256x128x64-s3-w8": _t(256, 128, 64, 3, 256, 8),
     "big-256x128x64-s3-w8-stc": _t(256, 128, 64, 3, 256, 8, True),
+    "big-128x128x64-s2-w8-stc-2cta-nows": _t(128, 128, 64, 2, 256, 8, True, 2, ws=False),
+    "big-128x128x64-s3-w8-stc-2cta-nows": _t(128, 128, 64, 3, 256, 8, True, 2, ws=False),
+    "big-64x128x64-s4-w8-stc-2cta": _t(64, 128, 64, 4, 128, 8, True, 2),
     "current": None,
     "portable": None,
 }
@@ -82,11 +89,18 @@ def candidate_request(op: str, kernel: str, variant):
             return linear.body(facade, variant, base)
         if spec == "current":
             return linear.KERNEL.body_for(target.name, variant)(facade, variant, base)
-        tiles = linear_sm90.Tiles(**{k: (v == "1" if k == "stage_c" else int(v))
-                                     for k, v in (kv.split("=") for kv in spec.split(","))})
+        fields = {k: (v == "1" if k == "stage_c" else int(v)) for k, v in (kv.split("=") for kv in spec.split(","))}
+        fields.pop("ws", None)  # not a tile field: the pass config below
+        tiles = linear_sm90.Tiles(**fields)
         return linear_sm90.body(facade, variant, base, tiles)
 
-    return Request(op, kernel, variant, build, lambda target: dict(base.pass_configs))
+    def pass_configs(target):
+        configs = dict(base.pass_configs)
+        if "ws=0" in spec.split(","):
+            configs["tl.disable_warp_specialized"] = True
+        return configs
+
+    return Request(op, kernel, variant, build, pass_configs)
 
 
 def plan(labels: list[str], shapes: dict, rows: list[int]) -> list[tuple]:

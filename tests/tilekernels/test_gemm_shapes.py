@@ -255,3 +255,20 @@ def test_a_tune_trial_request_builds_the_override_with_its_tile():
     req = tune_request("hc_pre", "hc_pre_split@portable", v, body, hc_mixes_sm90.TUNE, cfg="sm90 cfg",
                        portable=lambda P, variant, cfg: seen.append((variant, cfg)) or "portable")
     assert req.build(target) == "portable" and seen[-1] == (v, "sm90 cfg")
+
+
+def test_the_two_cta_linear_trials_cap_registers_and_drop_warp_specialisation_where_named():
+    """`benchmarks/tune_linear.py`'s two-CTA candidates: `min_blocks` puts the occupancy hint and no setmaxnreg
+    reallocation into the override's kernel; the `-nows` ones also build without the producer warpgroup (a pass
+    config); the engine's own tile (`current`) has neither."""
+    from benchmarks.tune_linear import candidate_request, kernel_name
+
+    v, sm90 = linear.variant(4096, 32768, 1024), backends.get("sm90")
+    seen = {}
+    for label in ("big-128x128x64-s3-w8-stc-2cta-nows", "big-64x128x64-s4-w8-stc-2cta", "current"):
+        req = candidate_request("linear", kernel_name(label), v)
+        script = req.build(sm90).script()
+        seen[label] = ("min_blocks_per_sm" in script, "no_set_max_nreg" in script,
+                       req.pass_configs(sm90).get("tl.disable_warp_specialized", False))
+    assert seen == {"big-128x128x64-s3-w8-stc-2cta-nows": (True, True, True),
+                    "big-64x128x64-s4-w8-stc-2cta": (True, True, False), "current": (False, False, False)}

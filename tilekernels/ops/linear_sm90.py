@@ -14,7 +14,9 @@ from dataclasses import dataclass
 class Tiles:
     """The override's tile. `threads`: the consumer threads; `panel`: row tiles per swizzle panel (0: row-major
     block order); `stage_c`: stage the output tile in shared memory (one TMA store) instead of storing from
-    registers."""
+    registers; `min_blocks`: CTAs each SM must hold (registers capped for that many, no setmaxnreg reallocation
+    between the producer and the consumers; 0: the compiler's choice, one CTA; `benchmarks/tune_linear.py`'s two-CTA
+    trials, BENCHMARKS.md "Eighteenth round")."""
 
     block_m: int = 128
     block_n: int = 256
@@ -23,6 +25,7 @@ class Tiles:
     threads: int = 256
     panel: int = 8
     stage_c: bool = True
+    min_blocks: int = 0
 
 
 def supports(v) -> bool:
@@ -45,6 +48,9 @@ def body(P, v, cfg, tiles: Tiles | None = None):
     @T.prim_func
     def kernel(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
         with T.Kernel(NT, T.ceildiv(M, BM), threads=t.threads) as (bx, by):
+            if t.min_blocks:
+                T.annotate_min_blocks_per_sm(t.min_blocks)
+                T.disable_warp_group_reg_alloc()
             if t.panel:
                 T.use_swizzle(t.panel)
             a_s = T.alloc_shared((BM, BK), dtype)
