@@ -1,5 +1,5 @@
 """Tile configs of the sm90 bf16 `linear` override at prefill rows (tilekernels/ops/linear_sm90.py) against torch
-(cuBLAS), on the H200:
+(cuBLAS), on the H200 or H100:
 
     python benchmarks/tune_linear.py [--out tune.json] [--only LABELS] [--rows 512,4096,16384]
                                      [--shapes q_a,q_b,o_b,lm_head] [--jobs 16]
@@ -8,7 +8,8 @@ Every candidate is first built in parallel (`codegen.driver.build_all`, worker p
 DEEPINFER_CACHE_DIR, then timed (median of CUDA-graph replays, `benchmarks.kernels.time_fn`) through
 `linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection (the override with
 its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN` swizzle panels of N row
-tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store). Prints ms, TFLOP/s,
+tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store), `2cta` two CTAs an SM
+(`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms, TFLOP/s,
 GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
 linear.py's sm90 `Config(large=)`.
 """
