@@ -17,6 +17,11 @@ index queries/keys through FP4 (ue8m0 per 32). So two kinds of difference exist:
   1.6e-4 .. 1.2e-2 in the fixtures as generated while they were being designed; FLIP_TOL = 5e-2 bounds that
   with 4x margin and stays 20x below every modelling mistake tried on these fixtures (each >= 1.0: one of the
   three roundings left out, candidate blocks ignored, attention sinks dropped, the index-key quirk imitated).
+- selection flips: on another CPU (an AVX2-only AMD EPYC host; the BLAS kernels it picks round differently) such
+  an ulp also moved a near-tied choice at a few positions: 6 of fixture a's 114 logit vectors 0.52-0.77 apart, all
+  others within FP32_TOL. `assert_logits_close` therefore lets FLIP_SHARE (10 %) of the vectors exceed FLIP_TOL, by
+  at most FLIP_MAX (a quarter) of the largest logit, while the median must stay within FP32_TOL: each modelling
+  mistake above moves most vectors.
 Greedy tokens must equal the reference's wherever its top-2 logit gap exceeds 2 * FLIP_TOL.
 """
 
