@@ -6,11 +6,12 @@
 
 Every candidate is first built in parallel (`codegen.driver.build_all`, worker processes) into
 DEEPINFER_CACHE_DIR, then timed (median of CUDA-graph replays, `benchmarks.kernels.time_fn`) through
-`linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection (the override with
-its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN` swizzle panels of N row
-tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store), `2cta` two CTAs an SM
-(`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms, TFLOP/s,
-GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
+`linear.gemm`. `big-*` candidates are override tiles, `pp-*` its persistent ping-pong form
+(`linear_sm90.body_pingpong`: 132 programs, `gN` groups of N row tiles); `current` is linear.py's sm90 selection
+(the override with its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN`
+swizzle panels of N row tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA
+store), `2cta` two CTAs an SM (`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms,
+TFLOP/s, GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
 linear.py's sm90 `Config(large=)`.
 """
 
@@ -50,6 +51,11 @@ CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's select
     "big-128x128x64-s2-w8-stc-2cta-nows": _t(128, 128, 64, 2, 256, 8, True, 2, ws=False),
     "big-128x128x64-s3-w8-stc-2cta-nows": _t(128, 128, 64, 3, 256, 8, True, 2, ws=False),
     "big-64x128x64-s4-w8-stc-2cta": _t(64, 128, 64, 4, 128, 8, True, 2),
+    # linear_sm90.body_pingpong: 132 programs, two consumer warpgroups on alternate tiles, groups of `panel` row tiles
+    "pp-128x128x64-s4-g8": dict(_t(128, 128, 64, 4, 256, 8), programs=132, chain=8),
+    "pp-128x128x64-s6-g8": dict(_t(128, 128, 64, 6, 256, 8), programs=132, chain=8),
+    "pp-64x256x64-s4-g8": dict(_t(64, 256, 64, 4, 256, 8), programs=132, chain=8),
+    "pp-128x128x64-s6-g16": dict(_t(128, 128, 64, 6, 256, 16), programs=132, chain=8),  # chains of 16 spill
     "current": None,
     "portable": None,
 }

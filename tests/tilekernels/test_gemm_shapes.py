@@ -257,6 +257,22 @@ def test_a_tune_trial_request_builds_the_override_with_its_tile():
     assert req.build(target) == "portable" and seen[-1] == (v, "sm90 cfg")
 
 
+def test_the_ping_pong_linear_trial_builds_a_cubin(tmp_path):
+    """`linear_sm90.body_pingpong` (a `benchmarks/tune_linear.py` candidate, not yet run on a GPU): `Tiles.programs`
+    selects it; it lowers for sm_90a with its two consumer warpgroups' accumulators, the order barrier between their
+    K loops and the producer's register release, and nvcc builds it (a ragged N and K: edge tiles)."""
+    from backends.nvidia import without_library
+    from benchmarks.tune_linear import candidate_request, kernel_name
+
+    v = linear.variant(4096, 1000, 2000)
+    art = Compiler(without_library(backends.get("sm90")), tmp_path).get(
+        candidate_request("linear", kernel_name("pp-128x128x64-s4-g8"), v))
+    source = art.file("cuda").read_text()
+    assert "acc0[128]" in source and "acc1[128]" in source and "order[1].wait(" in source
+    assert "warpgroup_reg_dealloc<40>" in source and source.count("warpgroup_reg_alloc<232>") == 2
+    assert art.file("cubin").read_bytes()[:4] == b"\x7fELF"
+
+
 def test_the_two_cta_linear_trials_cap_registers_and_drop_warp_specialisation_where_named():
     """`benchmarks/tune_linear.py`'s two-CTA candidates: `min_blocks` puts the occupancy hint and no setmaxnreg
     reallocation into the override's kernel; the `-nows` ones also build without the producer warpgroup (a pass
