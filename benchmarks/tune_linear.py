@@ -6,8 +6,7 @@
 
 Every candidate is first built in parallel (`codegen.driver.build_all`, worker processes) into
 DEEPINFER_CACHE_DIR, then timed (median of CUDA-graph replays, `benchmarks.kernels.time_fn`) through
-`linear.gemm`. `big-*` candidates are override tiles, `per-*` its persistent form
-(`linear_sm90.body_persistent`: 132 programs, `gN` groups of N column tiles); `current` is linear.py's sm90 selection
+`linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection
 (the override with its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN`
 swizzle panels of N row tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA
 store), `2cta` two CTAs an SM (`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms,
@@ -51,12 +50,6 @@ CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's select
     "big-128x128x64-s2-w8-stc-2cta-nows": _t(128, 128, 64, 2, 256, 8, True, 2, ws=False),
     "big-128x128x64-s3-w8-stc-2cta-nows": _t(128, 128, 64, 3, 256, 8, True, 2, ws=False),
     "big-64x128x64-s4-w8-stc-2cta": _t(64, 128, 64, 4, 128, 8, True, 2),
-    # linear_sm90.body_persistent: 132 programs walking the tiles, groups of `panel` column tiles
-    "per-128x256x64-s3-g8": dict(_t(128, 256, 64, 3, 256, 8, True), programs=132),
-    "per-128x256x64-s3-g16": dict(_t(128, 256, 64, 3, 256, 16, True), programs=132),
-    "per-128x256x64-s3-g4": dict(_t(128, 256, 64, 3, 256, 4, True), programs=132),
-    "per-256x128x64-s3-g8": dict(_t(256, 128, 64, 3, 256, 8, True), programs=132),
-    "per-128x128x64-s4-g8": dict(_t(128, 128, 64, 4, 256, 8, True), programs=132),
     "current": None,
     "portable": None,
 }

@@ -257,34 +257,6 @@ def test_a_tune_trial_request_builds_the_override_with_its_tile():
     assert req.build(target) == "portable" and seen[-1] == (v, "sm90 cfg")
 
 
-def test_the_persistent_linear_trial_builds_a_cubin(tmp_path):
-    """`linear_sm90.body_persistent` (a `benchmarks/tune_linear.py` candidate): `Tiles.programs` selects it; it
-    lowers for sm_90a as 132 programs walking the tiles, the producer warpgroup's ring phase running on across
-    tiles (it loads the next tile while the consumers store this one), the output staged for a TMA store, and nvcc
-    builds it (a ragged N and K: edge tiles)."""
-    from backends.nvidia import without_library
-    from benchmarks.tune_linear import candidate_request, kernel_name
-
-    v = linear.variant(4096, 1000, 2000)
-    art = Compiler(without_library(backends.get("sm90")), tmp_path).get(
-        candidate_request("linear", kernel_name("per-128x256x64-s3-g8"), v))
-    source = art.file("cuda").read_text()
-    tiles = source.index("for (int w = 0;")  # the persistent loop over this program's tiles
-    assert source.count("producer_phase_cnt[0] = 0;") == 1 and source.index("producer_phase_cnt[0] = 0;") < tiles
-    assert source.index("tl::tma_store(C_desc") > tiles
-    assert art.file("cubin").read_bytes()[:4] == b"\x7fELF"
-
-
-def test_the_sm90_override_takes_the_persistent_form_where_k_is_short():
-    """linear.py's sm90 config: K up to `linear_sm90.SHORT_K` (q_b's 1,024) runs the persistent form on 132 programs,
-    longer K (q_a, o_b, lm_head) the one-tile-a-CTA override."""
-    from tilekernels.ops import linear_sm90
-
-    cfg = linear.KERNEL.config("sm90")
-    taken = {k: linear_sm90.tiles_of(linear.variant(4096, 32768, k), cfg).programs for k in (512, 1024, 1088, 4096)}
-    assert taken == {512: 132, 1024: 132, 1088: 0, 4096: 0}
-
-
 def test_the_two_cta_linear_trials_cap_registers_and_drop_warp_specialisation_where_named():
     """`benchmarks/tune_linear.py`'s two-CTA candidates: `min_blocks` puts the occupancy hint and no setmaxnreg
     reallocation into the override's kernel; the `-nows` ones also build without the producer warpgroup (a pass

@@ -56,7 +56,6 @@ class Config:
     min_block_n: int = 16  # the narrowest N tile the target's MMA takes (sm_100a 64-row tcgen05 needs 64)
     fp32_block_k: int = 0  # K tile of fp32 operands (0: block_k): their tiles take twice the shared memory
     large: Tiles | None = None  # the sm90 override's tile at prefill rows (linear_sm90.py); None elsewhere
-    short_k: Tiles | None = None  # the sm90 override's tile where K <= linear_sm90.SHORT_K (None: `large`)
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -136,8 +135,7 @@ KERNEL = Kernel("gemm", body, configs={
     # benchmarks/tune_gemm.py; fp32 (V4.1's ratio-2 compressor) at half the K depth: 3 stages of 256x64 + 128x64
     # fp32 tiles would need 288 KB of shared memory (the SM has 227)
     # the override's prefill tile (one group, 16-bit, no split K) from benchmarks/tune_linear.py
-    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32, large=Tiles(),
-                   short_k=Tiles(panel=4, programs=132)),
+    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32, large=Tiles()),
     "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64, fp32_block_k=32),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,

@@ -26,15 +26,6 @@ class Tiles:
     panel: int = 8
     stage_c: bool = True
     min_blocks: int = 0
-    programs: int = 0  # > 0: the persistent form (`body_persistent`) on this many programs
-
-
-SHORT_K = 1024  # K up to this (q_b's 1,024: 16 K blocks a tile, an output 32x its K) takes `Config.short_k`
-
-
-def tiles_of(v, cfg) -> Tiles:
-    """The tile variant `v` runs with: `cfg.short_k` (the persistent form) where K is short, else `cfg.large`."""
-    return cfg.short_k if cfg.short_k is not None and v.k <= SHORT_K else cfg.large
 
 
 def supports(v) -> bool:
@@ -43,13 +34,11 @@ def supports(v) -> bool:
 
 
 def body(P, v, cfg, tiles: Tiles | None = None):
-    """C [M, N] = A [M, K] @ W [N, K]^T with `tiles` (default: the target config's, `tiles_of`)."""
+    """C [M, N] = A [M, K] @ W [N, K]^T with `tiles` (default: the target config's `large`)."""
     from tilekernels.ops.linear import edge_tile
 
     T = P.T
-    t = tiles or tiles_of(v, cfg)
-    if t.programs:
-        return body_persistent(P, v, t)
+    t = tiles or cfg.large
     N, K, dtype = v.n, v.k, v.dtype
     BN, NT = edge_tile(N, t.block_n)
     BK, KT = edge_tile(K, t.block_k)
@@ -77,38 +66,5 @@ def body(P, v, cfg, tiles: Tiles | None = None):
                 T.copy(c_s, C[by * BM, bx * BN])
             else:
                 T.copy(acc, C[by * BM, bx * BN])
-
-    return kernel
-
-
-def body_persistent(P, v, t: Tiles):
-    """The persistent form (a `benchmarks/tune_linear.py` candidate, BENCHMARKS.md "Nineteenth round"): `t.programs`
-    programs walk the output tiles with `T.Persistent` (groups of `t.panel` column tiles: the weight tiles a group
-    shares stay in L2 while its row tiles pass), the same pipelined K loop and staged TMA-store epilogue as `body`.
-    TileLang's warp specialisation gives the producer warpgroup its own loop over the tiles with a running ring
-    phase, so it loads the next tile's first K blocks while the consumers store this one's."""
-    from tilekernels.ops.linear import edge_tile
-
-    T = P.T
-    N, K, dtype = v.n, v.k, v.dtype
-    BN, NT = edge_tile(N, t.block_n)
-    BK, KT = edge_tile(K, t.block_k)
-    BM, grid = t.block_m, t.programs
-    M = T.dynamic("M")
-
-    @T.prim_func
-    def kernel(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
-        with T.Kernel(grid, threads=t.threads) as pid:
-            a_s = T.alloc_shared((BM, BK), dtype)
-            b_s = T.alloc_shared((BN, BK), dtype)
-            c_s = T.alloc_shared((BM, BN), dtype)
-            acc = T.alloc_fragment((BM, BN), "float32")
-            for by, bx in T.Persistent([T.ceildiv(M, BM), NT], grid, pid, group_size=max(t.panel, 1)):
-                for kk in T.Pipelined(KT, num_stages=t.stages):
-                    T.copy(A[by * BM, kk * BK], a_s)
-                    T.copy(W[bx * BN, kk * BK], b_s)
-                    T.gemm(a_s, b_s, acc, transpose_B=True, clear_accum=kk == 0, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(acc, c_s)
-                T.copy(c_s, C[by * BM, bx * BN])
 
     return kernel
