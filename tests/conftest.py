@@ -23,7 +23,12 @@ def _seed_from_test_id(request):
 @pytest.fixture(scope="session")
 def c_kernel_cache(tmp_path_factory):
     """One kernel cache for every test that runs the c target: a kernel built by one module is a cache hit in
-    the next (the tiny models' plans overlap)."""
+    the next (the tiny models' plans overlap). Under pytest-xdist (README.md's `-n 2`) the workers share it: the
+    base temporary directory's parent is common to them, and the cache publishes each entry atomically."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "c-kernels"
+        path.mkdir(exist_ok=True)
+        return path
     return tmp_path_factory.mktemp("c-kernels")
 
 
@@ -42,12 +47,29 @@ class Ahead:
     `queue_ahead(ahead, items)` (items: its selected tests): it submits the work and returns what its module
     fixture needs, which gets it back through `of` and waits for what is not done yet. The suite's tests run one
     at a time, so the lowerings of tests/tilekernels/test_lowering.py (near the end) run on the core the tests
-    before it leave idle; a waiting fixture leaves the workers both cores."""
+    before it leave idle; a waiting fixture leaves the workers both cores. Under pytest-xdist every worker
+    collects every test but runs only the files it is handed (`--dist loadfile`), so there a module's work is
+    queued when its fixture first asks for it (`lazy`), by the one worker that runs it."""
 
-    def __init__(self, tmp_path_factory):
+    def __init__(self, tmp_path_factory, lazy: bool = False):
         self.tmp_path_factory = tmp_path_factory
+        self.lazy = lazy
         self.queued: dict[str, object] = {}  # module name -> what its queue_ahead returned
+        self.waiting: dict[str, list] = {}  # lazy: module name -> its selected tests
         self._pool = None
+
+    def queue(self, module, items: list) -> None:
+        """Queue `module`'s work for `items` (its selected tests) now, or (lazy) when its fixture asks."""
+        if self.lazy:
+            self.waiting[module.__name__] = items
+        else:
+            self._queue_now(module, items)
+
+    def _queue_now(self, module, items: list) -> None:
+        try:
+            self.queued[module.__name__] = module.queue_ahead(self, items)
+        except Exception as exc:  # noqa: BLE001 - raised again by the module's fixture (`Ahead.of`)
+            self.queued[module.__name__] = exc
 
     def submit(self, fn, *args):
         """A future of fn(*args) in a worker (spawned: TileLang's lowering changes process-wide state)."""
@@ -62,6 +84,8 @@ class Ahead:
 
     def of(self, module) -> object:
         """What `module`'s queue_ahead returned (its error raised again, failing that module's tests alone)."""
+        if module.__name__ in self.waiting:
+            self._queue_now(module, self.waiting.pop(module.__name__))
         queued = self.queued[module.__name__]
         if isinstance(queued, Exception):
             raise queued
@@ -75,15 +99,11 @@ class Ahead:
 @pytest.fixture(scope="session", autouse=True)
 def ahead(request, tmp_path_factory):
     """The session's `Ahead`, the work of every selected module that has some queued in run order."""
-    ahead = Ahead(tmp_path_factory)
+    ahead = Ahead(tmp_path_factory, lazy=bool(os.environ.get("PYTEST_XDIST_WORKER")))
     items = [item for item in request.session.items if getattr(item, "module", None) is not None]
     for module in dict.fromkeys(item.module for item in items):
-        queue = getattr(module, "queue_ahead", None)
-        if queue is not None:
-            try:
-                ahead.queued[module.__name__] = queue(ahead, [item for item in items if item.module is module])
-            except Exception as exc:  # noqa: BLE001 - raised again by the module's fixture (`Ahead.of`)
-                ahead.queued[module.__name__] = exc
+        if hasattr(module, "queue_ahead"):
+            ahead.queue(module, [item for item in items if item.module is module])
     yield ahead
     ahead.close()
 

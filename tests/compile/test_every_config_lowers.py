@@ -28,6 +28,8 @@ from deepinfer.config import ModelConfig
 from tests.helpers import ODD_A, TINY_A
 from tilekernels.kernels import request
 
+pytestmark = pytest.mark.full  # opt-in: `pytest -m full` (README.md, Run the tests)
+
 
 def plans(dtype: str, target: str) -> list[tuple]:
     """The kernels of every config's plan, or of fewer configs for the slow targets (see above)."""

@@ -206,6 +206,7 @@ def waits_first(source: str) -> bool:
     return bool(kernels)
 
 
+@pytest.mark.full  # opt-in, with the next matrix: `pytest -m full` (README.md, Run the tests)
 @pytest.mark.parametrize("case, variant", ALL, ids=IDS)
 def test_cuda_source_and_cubin_for_sm90a_and_sm100a(case, variant, cache):
     for name in cuda_targets(case, variant):
@@ -237,6 +238,7 @@ def test_hc_partials_on_sm90_are_the_tensor_core_gemm(case, cache):
     assert "tma_load" in source
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case, variant", list(CASES.items()), ids=IDS[:len(CASES)])
 def test_ascend_source_without_traps(case, variant, cache):
     """V4-Flash widths here (the FP4 key variants only for CUDA: the same bodies as the latents' with another
