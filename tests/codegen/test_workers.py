@@ -87,13 +87,33 @@ def test_parallel_builds_then_cache_hits_in_input_order(tmp_path):
     assert worker_children() == []
 
 
+def seed_entries(source: Path, dest: Path) -> int:
+    """Copy the published kernel entries of cache target directory `source` into `dest`, without its manifest or
+    index (and not the staging directories or locks of builds still running); how many were copied."""
+    import shutil
+
+    copied = 0
+    for kernel in (d for d in source.iterdir() if d.is_dir() and d.name != "index" and not d.name.startswith(".")):
+        for entry in kernel.iterdir():
+            if entry.is_dir() and not entry.name.startswith(".") and (entry / "meta.json").exists():
+                shutil.copytree(entry, dest / kernel.name / entry.name)
+                copied += 1
+    return copied
+
+
 def test_a_script_without_a_main_guard_is_not_rerun_by_the_workers(tmp_path, c_kernel_cache):
-    """`deepinfer.LLM(...)` at a script's top level, kernels on the `c` target, an empty kernel cache: the kernels
-    are built by parallel workers at start, the script's top level runs once, and it finishes. The cache is the
-    session's c kernel cache while nothing is in it yet (the suite runs this module before the other c-target
-    tests), so that the default model's kernels built here are hits for them (tests/test_batch_invariance.py's c
-    case: 19 of its 44 kernels); a fresh one otherwise: the script starts from an empty cache either way."""
-    cache = c_kernel_cache if not any(c_kernel_cache.iterdir()) else tmp_path / "cache"
+    """`deepinfer.LLM(...)` at a script's top level, kernels on the `c` target, a cache whose manifest lists none of
+    them: every kernel is handed to parallel build workers at start, the script's top level runs once, and it
+    finishes. The cache is the session's c kernel cache while nothing is in it yet (the suite runs this module
+    before the other c-target tests), so that the default model's kernels built here are hits for them
+    (tests/test_batch_invariance.py's c case: 19 of its 44 kernels); otherwise a fresh one seeded with the session
+    cache's built entries but not its manifest (the workers still start and take every kernel, and find those
+    built: under pytest-xdist another worker fills the session cache first, and the 44 kernels were built twice)."""
+    if any(c_kernel_cache.iterdir()):
+        cache = tmp_path / "cache"
+        seed_entries(c_kernel_cache / "c", cache / "c")
+    else:
+        cache = c_kernel_cache
     script = tmp_path / "user_script.py"
     script.write_text(textwrap.dedent("""\
         import deepinfer
