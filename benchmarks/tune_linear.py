@@ -6,11 +6,11 @@
 
 Every candidate is first built in parallel (`codegen.driver.build_all`, worker processes) into
 DEEPINFER_CACHE_DIR, then timed (median of CUDA-graph replays, `benchmarks.kernels.time_fn`) through
-`linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection
-(the override with its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN`
-swizzle panels of N row tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA
-store), `2cta` two CTAs an SM (`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms,
-TFLOP/s, GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
+`linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection (the override with
+its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN` swizzle panels of N row
+tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store), `2cta` two CTAs an SM
+(`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms, TFLOP/s,
+GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
 linear.py's sm90 `Config(large=)`.
 """
 

@@ -87,18 +87,16 @@ def test_parallel_builds_then_cache_hits_in_input_order(tmp_path):
     assert worker_children() == []
 
 
-def seed_entries(source: Path, dest: Path) -> int:
-    """Copy the published kernel entries of cache target directory `source` into `dest`, without its manifest or
-    index (and not the staging directories or locks of builds still running); how many were copied."""
+def seed_entries(source: Path, dest: Path) -> None:
+    """Copy the published kernel entries (`codegen.cache.read_meta`) of cache target directory `source` into `dest`:
+    not its manifest or index, nor a build still staging."""
     import shutil
 
-    copied = 0
-    for kernel in (d for d in source.iterdir() if d.is_dir() and d.name != "index" and not d.name.startswith(".")):
-        for entry in kernel.iterdir():
-            if entry.is_dir() and not entry.name.startswith(".") and (entry / "meta.json").exists():
-                shutil.copytree(entry, dest / kernel.name / entry.name)
-                copied += 1
-    return copied
+    from codegen import cache
+
+    for entry in source.glob("*/*"):
+        if cache.read_meta(entry) is not None:
+            shutil.copytree(entry, dest / entry.parent.name / entry.name)
 
 
 def test_a_script_without_a_main_guard_is_not_rerun_by_the_workers(tmp_path, c_kernel_cache):
