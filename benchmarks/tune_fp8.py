@@ -51,6 +51,13 @@ CONFIGS = {  # label: linear_fp8.Config fields (r: warpgroups split the tile by 
                                         chain=4, cluster=2),
     # linear_fp8.py's sm90 config as the engine runs it: x2 above, the ws c8 p132 body where K <= 2,048
     "sm90 config": dict(block_m=128, block_n=256, stages=3, threads=256, full_rows=True, slices=2, short_k=2048),
+    # ... st: each consumer warpgroup stages its rows in shared memory and stores them by TMA, not waited for
+    "128x128 s4 t256 r ws c8 p132 st": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
+                                            chain=8, programs=132, tma_store=True),
+    "128x128 s5 t256 r ws c8 p132 st": dict(block_m=128, block_n=128, stages=5, threads=256, full_rows=True, ws=True,
+                                            chain=8, programs=132, tma_store=True),
+    "128x128 s4 t256 r ws c4 p132 st": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True, ws=True,
+                                            chain=4, programs=132, tma_store=True),
     "128x128 s4 t256 r ws c8 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
                                              ws=True, chain=8, cluster=2, programs=128),  # 64 pairs surely resident
     "128x128 s4 t256 r ws c4 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,

@@ -9,7 +9,8 @@ DEEPINFER_CACHE_DIR, then timed (median of CUDA-graph replays, `benchmarks.kerne
 `linear.gemm`. `big-*` candidates are override tiles; `current` is linear.py's sm90 selection (the override with
 its configured tile), `portable` the portable body. In a label: `sN` pipeline stages, `wN` swizzle panels of N row
 tiles (w0: row-major block order), `stc` the output tile staged in shared memory (TMA store), `2cta` two CTAs an SM
-(`Tiles.min_blocks`), `nows` built without the producer warpgroup. Prints ms, TFLOP/s,
+(`Tiles.min_blocks`), `nows` built without the producer warpgroup, `ws-...-pN` the persistent body of N programs
+(`linear_sm90.body_ws`; its `wN` walks panels of N row tiles rows first). Prints ms, TFLOP/s,
 GB/s (each operand read once, the output written once) and the speed-up over cuBLAS; the best goes into
 linear.py's sm90 `Config(large=)`.
 """
@@ -28,12 +29,12 @@ ROWS = (512, 4096, 16384)
 DEVICE = "cuda"
 
 
-def _t(bm, bn, bk, stages, threads, panel=0, stage_c=False, min_blocks=0, ws=True):
+def _t(bm, bn, bk, stages, threads, panel=0, stage_c=False, min_blocks=0, ws=True, programs=0):
     """The override's Tiles fields, and `ws`: False builds the candidate with TileLang's
     `tl.disable_warp_specialized` (no producer warpgroup: every thread issues cp.async loads; a tune trial only, the
     engine's override always builds warp-specialised)."""
     return dict(block_m=bm, block_n=bn, block_k=bk, stages=stages, threads=threads, panel=panel, stage_c=stage_c,
-                min_blocks=min_blocks, ws=ws)
+                min_blocks=min_blocks, ws=ws, programs=programs)
 
 
 CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's selection / the portable body)
@@ -50,6 +51,11 @@ CANDIDATES = {  # label -> the override's Tiles fields (None: linear.py's select
     "big-128x128x64-s2-w8-stc-2cta-nows": _t(128, 128, 64, 2, 256, 8, True, 2, ws=False),
     "big-128x128x64-s3-w8-stc-2cta-nows": _t(128, 128, 64, 3, 256, 8, True, 2, ws=False),
     "big-64x128x64-s4-w8-stc-2cta": _t(64, 128, 64, 4, 128, 8, True, 2),
+    # linear_sm90.body_ws: persistent (p: programs), explicitly warp-specialised, stores not waited for (w: panels
+    # of row tiles walked rows first); linear.py's `short` tile where K <= 2,048
+    "big-ws-128x256x64-s3-w16-p132": _t(128, 256, 64, 3, 256, 16, programs=132),
+    "big-ws-128x256x64-s3-w8-p132": _t(128, 256, 64, 3, 256, 8, programs=132),
+    "big-ws-128x128x64-s5-w16-p132": _t(128, 128, 64, 5, 256, 16, programs=132),
     "current": None,
     "portable": None,
 }

@@ -32,3 +32,12 @@ def test_kernels_tag_covers_every_op_the_kernel_tests_run():
     assert {"grouped_linear", "rms_norm_unweighted"} | ops >= set(flash_ops())
     moe = [v for op, _, v in items_for("kernels") if op == "moe_experts"]
     assert any(getattr(v, "fp4", False) for v in moe) and any(not getattr(v, "fp4", False) for v in moe)
+
+
+def test_the_quantized_slice_tag_plans_the_fp8_and_fp4_kernels():
+    """`qslice` is the slice as `benchmarks/decode.py --quantized` makes it (V4's formats declared on its config): its
+    FP8 projections and FP4 experts, which the bf16 slice's plan lacks."""
+    kernels = {(op, kernel) for op, kernel, _ in items_for("qslice")}
+    assert {("linear", "gemm_fp8"), ("act_quant", "act_quant")} <= kernels
+    assert any(op == "moe_experts" and "fp4" in kernel for op, kernel in kernels)
+    assert ("linear", "gemm_fp8") not in {(op, kernel) for op, kernel, _ in items_for("slice")}

@@ -103,6 +103,10 @@ def items_for(tag: str) -> list[tuple]:
         from benchmarks.decode import SLICE
 
         cfg = ModelConfig.from_dict(json.loads((SLICE / "config.json").read_text()))
+        if tag == "qslice":  # as `benchmarks/decode.py --quantized` makes it: V4's formats on the slice's config
+            from deepinfer.weights.synthetic import V4_QUANTIZATION, with_quantization
+
+            cfg = with_quantization(cfg, V4_QUANTIZATION)
         return kernel_plan(cfg, "bfloat16", quantized=tag == "qslice", invariant=tag == "slice-invariant")
     raise ValueError(f"unknown tag {tag!r}; accepted: {', '.join(TAGS)}")
 

@@ -11,7 +11,7 @@ from tilekernels.ops import DECLARED, linear, linear_decode_sm90, linear_sm90
 
 pytestmark = pytest.mark.gpu
 
-ROWS = (1, 7, 64, 300, 512, 4096)
+ROWS = (1, 7, 64, 300, 512, 1000, 2100, 4096)  # 1000, 2100: ragged last tiles and panels of the persistent body
 SHAPES = [(1024, 4096), (32768, 1024), (4096, 8192),  # q_a, q_b, o_b (N, K)
           (1000, 2048),  # ragged N
           (1000, 9216),  # ragged N of a large weight: swapped at up to linear.SWAP_ROWS rows

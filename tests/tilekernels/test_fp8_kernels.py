@@ -167,7 +167,8 @@ def test_act_quant_takes_the_row_tile_override_at_prefill_rows_and_whole_groups_
 
 def test_short_k_fp8_prefill_variants_take_the_persistent_warp_specialised_body(monkeypatch):
     """sm90's FP8 config sends prefill variants with K <= short_k (and 16-byte rows for its TMA copies) to `body_ws`
-    at 128x128 tiles on 132 programs; longer K, grouped, narrow, V4.1's 32x32 blocks and odd K keep the others."""
+    at 128x128 tiles on 132 programs, chains of 4 K blocks, the output stored by TMA (q_b, q_a, the shared experts);
+    longer K (o_b), grouped, narrow, V4.1's 32x32 blocks and odd K keep the others."""
     from tilekernels.ops import linear_fp8_sm90
 
     taken = []
@@ -177,7 +178,8 @@ def test_short_k_fp8_prefill_variants_take_the_persistent_warp_specialised_body(
     cfg = linear_fp8.KERNEL.config("sm90")
     q_b = linear_fp8.Variant(32768, 1024, "bfloat16", (128, 128), ue8m0=True)
     assert linear_fp8_sm90.body(None, q_b, cfg) == "ws"
-    assert (taken[-1][1].programs, taken[-1][1].block_n, taken[-1][1].chain) == (132, 128, 8)
+    assert (taken[-1][1].programs, taken[-1][1].block_n, taken[-1][1].chain, taken[-1][1].tma_store) == (132, 128, 4, True)
+    assert linear_fp8_sm90.body(None, linear_fp8.Variant(1024, 4096, "bfloat16", (128, 128), ue8m0=True), cfg) == "ws"
     import dataclasses
 
     others = {"long K": linear_fp8.Variant(4096, 8192, "bfloat16", (128, 128), ue8m0=True),

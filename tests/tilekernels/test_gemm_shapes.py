@@ -272,3 +272,22 @@ def test_the_two_cta_linear_trials_cap_registers_and_drop_warp_specialisation_wh
                        req.pass_configs(sm90).get("tl.disable_warp_specialized", False))
     assert seen == {"big-128x128x64-s3-w8-stc-2cta-nows": (True, True, True),
                     "big-64x128x64-s4-w8-stc-2cta": (True, True, False), "current": (False, False, False)}
+
+
+def test_short_k_prefill_gemms_take_the_persistent_body_with_unwaited_tma_stores():
+    """sm90's bf16 prefill variants with K <= short_k whose tiles divide N and K (q_b) build `linear_sm90.body_ws`
+    (a persistent grid of 132 programs, the output stored by TMA and waited for only before its staging rows are
+    reused); longer K (q_a, o_b, lm_head) and ragged shapes keep the pipelined body with its swizzled block order."""
+    from tilekernels.lang import Facade
+    from tilekernels.ops import linear_sm90
+
+    sm90, cfg = backends.get("sm90"), linear.KERNEL.config("sm90")
+
+    def script(n, k):
+        return linear_sm90.body(Facade(sm90.traits), linear.variant(4096, n, k), cfg).script()
+
+    q_b = script(32768, 1024)
+    assert "tma_store_wait" in q_b and "132" in q_b and "swizzle_pattern" not in q_b
+    for n, k in ((1024, 4096), (4096, 8192), (1000, 2048), (200, 1000)):
+        other = script(n, k)
+        assert "tma_store_wait" not in other and "swizzle_pattern" in other, (n, k)

@@ -56,6 +56,8 @@ class Config:
     min_block_n: int = 16  # the narrowest N tile the target's MMA takes (sm_100a 64-row tcgen05 needs 64)
     fp32_block_k: int = 0  # K tile of fp32 operands (0: block_k): their tiles take twice the shared memory
     large: Tiles | None = None  # the sm90 override's tile at prefill rows (linear_sm90.py); None elsewhere
+    short: Tiles | None = None  # ... instead of `large` where K <= short_k (`linear_sm90.body` says why)
+    short_k: int = 0
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -135,7 +137,8 @@ KERNEL = Kernel("gemm", body, configs={
     # benchmarks/tune_gemm.py; fp32 (V4.1's ratio-2 compressor) at half the K depth: 3 stages of 256x64 + 128x64
     # fp32 tiles would need 288 KB of shared memory (the SM has 227)
     # the override's prefill tile (one group, 16-bit, no split K) from benchmarks/tune_linear.py
-    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32, large=Tiles()),
+    "sm90": Config(block_m=256, block_n=128, block_k=64, stages=3, threads=256, fp32_block_k=32, large=Tiles(),
+                   short=Tiles(block_n=256, stages=3, panel=16, programs=132), short_k=2048),
     "sm100": Config(block_m=128, block_n=128, block_k=64, stages=3, threads=256, min_block_n=64, fp32_block_k=32),
     "ascend": Config(block_m=128, block_n=128, block_k=64, stages=2, threads=0),
     "c": _CPU,

@@ -52,6 +52,7 @@ class Config:
     programs: int = 0  # ws: a persistent grid of this many programs (0: one program per tile)
     chain: int = 4  # ws: K blocks per unrolled chain of overlapped wgmmas (drained between chains)
     cluster: int = 0  # ws: 2 = CTA pairs along N, the shared A tile loaded once and multicast to both
+    tma_store: bool = False  # ws: each consumer warpgroup stages its rows in shared memory and stores them by TMA
     short_k: int = 0  # sm90: prefill variants (no split K, one group) with K <= this take `SHORT_K` instead
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 
@@ -253,7 +254,7 @@ KERNEL = Kernel("gemm_fp8", body, configs={
     "default": Config(),
     # benchmarks/tune_fp8.py: 128x256 tiles promoted per 128-column slice at prefill rows (decode and split-K
     # variants keep the 128x128 kernel's geometry)
-    "sm90": Config(block_m=128, block_n=256, stages=3, threads=256, full_rows=True, slices=2, short_k=2048),
+    "sm90": Config(block_m=128, block_n=256, stages=3, threads=256, full_rows=True, slices=2, short_k=4096),
     "sm100": Config(block_m=128, block_n=128, stages=0, threads=128, min_block_n=64, narrow_block_n=64),
     "ascend": Config(block_m=64, block_n=256, stages=0, threads=128, narrow_block_n=256),  # see docs/kernels.md
     "c": Config(block_m=16, block_n=16, stages=0, threads=1, narrow_threads=1, narrow_block_n=16),

@@ -24,8 +24,11 @@ from tilekernels.op import require
 # TFLOP/s, the shared experts' down 888 against 806) and lost where K is 8,192 (o_b 1,031 against 1,135); on the H100
 # with V4's exponent-byte scales (`tune_fp8.py --ue8m0`, "Twelfth round") q_b 693 against 600, down 797 against 776.
 # It also serves the middle row bucket (65-511 rows, not narrow): q_b at 128 rows 0.0255 against 0.0282 ms, at 256
-# 0.0431 against 0.0451 (`kernels.py`, H100).
-SHORT_K = dict(block_n=128, stages=4, slices=0, ws=True, chain=8, programs=132)
+# 0.0431 against 0.0451 (`kernels.py`, H100). Since the twentieth round its output rows are staged in shared memory and
+# stored by TMA without a wait (`tma_store`), in chains of 4: on the H100 at 4,096 rows (TFLOP/s against the 128x256
+# sliced tile) q_b 853 against 588, q_a 933 against 874, shared gate_up 1,050 against 963, shared down 974 against 764,
+# so `short_k` now reaches K = 4,096; o_b (K = 8,192) keeps the sliced tile (1,107 against 1,068).
+SHORT_K = dict(block_n=128, stages=4, slices=0, ws=True, chain=4, programs=132, tma_store=True)
 
 
 def body(P, v, cfg):
@@ -168,6 +171,7 @@ def body_ws(P, v, cfg):
             return 0, t // NT % G, t // (NT * G) * BM, t % NT * BN
         return lf._tile(t, v, NT, BM, BN)
     places = {n: list(range(n)) for n in range(1, U + 1)}
+    staged = cfg.tma_store and SK == 1 and BM == 128 and threads == 256 and cfg.full_rows
 
     @T.macro
     def promote(part, total, sa, w):
@@ -215,6 +219,24 @@ def body_ws(P, v, cfg):
         release(empty, (it0 + length - 1) % ST, tx)
         promote(parts[(length - 1) % 2], total, sas[(length - 1) % 2], ws[(length - 1) % 2])
 
+    @T.macro
+    def store_staged(total, c_s, C, g, m0, n0, tx):
+        # each warpgroup its own 64 rows (full_rows), stored by one lane of its first warp, which first waits for
+        # its last store to have read the staging rows; the store itself is not waited for, so the global write
+        # runs under the next tile's K loop
+        wg = tx // 128
+        if tx % 128 < 32:
+            T.tma_store_wait(0)
+        T.sync_threads(1 + wg, 128)
+        for i, j in T.Parallel(BM, BN):
+            c_s[i // 64, i % 64, j] = total[i, j]
+        T.fence_proxy_async()
+        T.sync_threads(1 + wg, 128)
+        if tx // 32 == 0:
+            T.tma_copy(c_s[0, :, :], C[m0:m0 + 64, g * N + n0:g * N + n0 + BN], leader_scope_threads=32)
+        if tx // 32 == 4:
+            T.tma_copy(c_s[1, :, :], C[m0 + 64:m0 + 128, g * N + n0:g * N + n0 + BN], leader_scope_threads=32)
+
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, "uint8"), SA: T.Tensor(sa_shape, "float32"), W: T.Tensor(w_shape, "uint8"),
                SW: T.Tensor(sw_shape, sdt), C: T.Tensor(c_shape, out_dtype)):
@@ -238,6 +260,7 @@ def body_ws(P, v, cfg):
             sa1 = T.alloc_fragment((BM,), "float32")
             w0 = T.alloc_local((1,), sdt)
             w1 = T.alloc_local((1,), sdt)
+            c_s = T.alloc_shared((2, 64, BN), out_dtype) if staged else None  # each warpgroup's rows
             tx = T.get_thread_binding()
             count = T.ceildiv(tiles - pid, grid) if grid else 1
             if CL > 1:
@@ -268,8 +291,12 @@ def body_ws(P, v, cfg):
                               KT - KT % U, r * KT + KT - KT % U, tx, KT % U)
                     if SK > 1:
                         T.copy(total, C[ks, m0, g * N + n0])
+                    elif staged:
+                        store_staged(total, c_s, C, g, m0, n0, tx)
                     else:
                         T.copy(total, C[m0, g * N + n0])
+                if staged and tx % 128 < 32:
+                    T.tma_store_wait(0)  # the shared memory stays valid until the last store has read it
 
             if CL > 1:
                 T.cluster_sync()  # no CTA exits while its peer may still arrive at its barriers
