@@ -17,6 +17,7 @@ clusters of two CTAs that share the A tile by TMA multicast (`cluster`: the same
 """
 
 from tilekernels.op import require
+from tilekernels.ops.linear_sm90 import staged_store
 
 # The short-K prefill shapes' config (`Config.short_k`): 128x128 tiles, the ws body in chains of 8 K blocks, a
 # persistent grid of one program per SM (132 on the H100 / H200). On the H200 (`benchmarks/tune_fp8.py`, BENCHMARKS.md
@@ -171,7 +172,8 @@ def body_ws(P, v, cfg):
             return 0, t // NT % G, t // (NT * G) * BM, t % NT * BN
         return lf._tile(t, v, NT, BM, BN)
     places = {n: list(range(n)) for n in range(1, U + 1)}
-    staged = cfg.tma_store and SK == 1 and BM == 128 and threads == 256 and cfg.full_rows
+    staged = cfg.tma_store and SK == 1 and BM == 128 and threads == 256 and cfg.full_rows  # two 64-row warpgroups
+    store_staged = staged_store(T, BN)
 
     @T.macro
     def promote(part, total, sa, w):
@@ -218,24 +220,6 @@ def body_ws(P, v, cfg):
         T.warpgroup_fence_operand(parts[(length - 1) % 2], num_regs=BM * BN // threads)
         release(empty, (it0 + length - 1) % ST, tx)
         promote(parts[(length - 1) % 2], total, sas[(length - 1) % 2], ws[(length - 1) % 2])
-
-    @T.macro
-    def store_staged(total, c_s, C, g, m0, n0, tx):
-        # each warpgroup its own 64 rows (full_rows), stored by one lane of its first warp, which first waits for
-        # its last store to have read the staging rows; the store itself is not waited for, so the global write
-        # runs under the next tile's K loop
-        wg = tx // 128
-        if tx % 128 < 32:
-            T.tma_store_wait(0)
-        T.sync_threads(1 + wg, 128)
-        for i, j in T.Parallel(BM, BN):
-            c_s[i // 64, i % 64, j] = total[i, j]
-        T.fence_proxy_async()
-        T.sync_threads(1 + wg, 128)
-        if tx // 32 == 0:
-            T.tma_copy(c_s[0, :, :], C[m0:m0 + 64, g * N + n0:g * N + n0 + BN], leader_scope_threads=32)
-        if tx // 32 == 4:
-            T.tma_copy(c_s[1, :, :], C[m0 + 64:m0 + 128, g * N + n0:g * N + n0 + BN], leader_scope_threads=32)
 
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, "uint8"), SA: T.Tensor(sa_shape, "float32"), W: T.Tensor(w_shape, "uint8"),
@@ -292,7 +276,7 @@ def body_ws(P, v, cfg):
                     if SK > 1:
                         T.copy(total, C[ks, m0, g * N + n0])
                     elif staged:
-                        store_staged(total, c_s, C, g, m0, n0, tx)
+                        store_staged(total, c_s, C, m0, g * N + n0, tx)
                     else:
                         T.copy(total, C[m0, g * N + n0])
                 if staged and tx % 128 < 32:

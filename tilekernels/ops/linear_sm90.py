@@ -78,6 +78,31 @@ def body(P, v, cfg, tiles: Tiles | None = None):
     return kernel
 
 
+def staged_store(T, BN: int):
+    """The epilogue of a persistent GEMM whose two consumer warpgroups hold 64 rows each of a 128 x BN fp32 tile
+    (`body_ws` here, `linear_fp8_sm90.body_ws`), as a macro (acc, c_s, C, m0, n0, tx): each warpgroup writes its rows
+    into its half of `c_s` (2, 64, BN), meets on its own named barrier, and one lane of its first warp issues the TMA
+    store into C[m0:m0 + 128, n0:n0 + BN] without waiting for it, so the global write runs under the next tile's K
+    loop; that lane first waits for its previous store to have read the staging rows. The kernel waits once more
+    before it ends (shared memory must outlive the last store's reads)."""
+
+    @T.macro
+    def store(acc, c_s, C, m0, n0, tx):
+        if tx % 128 < 32:
+            T.tma_store_wait(0)
+        T.sync_threads(1 + tx // 128, 128)
+        for i, j in T.Parallel(128, BN):
+            c_s[i // 64, i % 64, j] = acc[i, j]
+        T.fence_proxy_async()
+        T.sync_threads(1 + tx // 128, 128)
+        if tx // 32 == 0:
+            T.tma_copy(c_s[0, :, :], C[m0:m0 + 64, n0:n0 + BN], leader_scope_threads=32)
+        if tx // 32 == 4:
+            T.tma_copy(c_s[1, :, :], C[m0 + 64:m0 + 128, n0:n0 + BN], leader_scope_threads=32)
+
+    return store
+
+
 def ws_fits(v, t: Tiles) -> bool:
     """`body_ws` takes whole tiles only (no N or K edge) and 128-row tiles of two consumer warpgroups."""
     return v.n % t.block_n == 0 and v.k % t.block_k == 0 and t.block_m == 128 and t.threads == 256
@@ -102,19 +127,7 @@ def body_ws(P, v, t: Tiles):
         rem = i - p * PN * NT
         return (p * PN + rem % rows) * BM, rem // rows * BN
 
-    @T.macro
-    def store(acc, c_s, C, m0, n0, tx):
-        if tx % 128 < 32:
-            T.tma_store_wait(0)
-        T.sync_threads(1 + tx // 128, 128)
-        for i, j in T.Parallel(BM, BN):
-            c_s[i // 64, i % 64, j] = acc[i, j]
-        T.fence_proxy_async()
-        T.sync_threads(1 + tx // 128, 128)
-        if tx // 32 == 0:
-            T.tma_copy(c_s[0, :, :], C[m0:m0 + 64, n0:n0 + BN], leader_scope_threads=32)
-        if tx // 32 == 4:
-            T.tma_copy(c_s[1, :, :], C[m0 + 64:m0 + 128, n0:n0 + BN], leader_scope_threads=32)
+    store = staged_store(T, BN)
 
     @T.prim_func
     def kernel(A: T.Tensor((M, K), dtype), W: T.Tensor((N, K), dtype), C: T.Tensor((M, N), dtype)):
