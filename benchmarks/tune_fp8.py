@@ -62,29 +62,6 @@ CONFIGS = {  # label: linear_fp8.Config fields (r: warpgroups split the tile by 
                                              ws=True, chain=8, cluster=2, programs=128),  # 64 pairs surely resident
     "128x128 s4 t256 r ws c4 cl2 p128": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
                                              ws=True, chain=4, cluster=2, programs=128),
-    # ... and the output stored by TMA without a wait (st): the persistent pair with the A tile multicast
-    # ... pn16: tiles in panels of 16 row tiles, rows fastest (W tiles shared in L2 by the programs running at once);
-    # pf: each K block's scales loaded two blocks ahead (the consumers stalled on those loads: Nsight Compute)
-    "128x128 s4 t256 r ws c4 p132 st pn16": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                                 ws=True, chain=4, programs=132, tma_store=True, panel=16),
-    "128x128 s4 t256 r ws c4 p132 st pf": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                               ws=True, chain=4, programs=132, tma_store=True, prefetch=True),
-    "128x128 s4 t256 r ws c4 p132 st pn16 pf": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                                    ws=True, chain=4, programs=132, tma_store=True, panel=16,
-                                                    prefetch=True),
-    "128x128 s5 t256 r ws c4 p132 st pn16 pf": dict(block_m=128, block_n=128, stages=5, threads=256, full_rows=True,
-                                                    ws=True, chain=4, programs=132, tma_store=True, panel=16,
-                                                    prefetch=True),
-    "128x128 s4 t256 r ws c8 p132 st pn16 pf": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                                    ws=True, chain=8, programs=132, tma_store=True, panel=16,
-                                                    prefetch=True),
-    "128x128 s4 t256 r ws c4 p132 st pn8 pf": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                                   ws=True, chain=4, programs=132, tma_store=True, panel=8,
-                                                   prefetch=True),
-    "128x128 s4 t256 r ws c4 cl2 p132 st": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                                ws=True, chain=4, cluster=2, programs=132, tma_store=True),
-    "128x128 s4 t256 r ws c8 cl2 p132 st": dict(block_m=128, block_n=128, stages=4, threads=256, full_rows=True,
-                                                ws=True, chain=8, cluster=2, programs=132, tma_store=True),
 }
 SHAPES = [("q_b", 32768, 1024, 1), ("q_a", 1024, 4096, 1), ("o_b", 4096, 8192, 1), ("shared gate_up", 4096, 4096, 1),
           ("shared down", 4096, 2048, 1), ("o_a (8 groups)", 1024, 4096, 8)]

@@ -53,9 +53,6 @@ class Config:
     chain: int = 4  # ws: K blocks per unrolled chain of overlapped wgmmas (drained between chains)
     cluster: int = 0  # ws: 2 = CTA pairs along N, the shared A tile loaded once and multicast to both
     tma_store: bool = False  # ws: each consumer warpgroup stages its rows in shared memory and stores them by TMA
-    panel: int = 0  # ws, persistent, one group, no split K: tiles walked in panels of this many row tiles, rows
-    # fastest (0: N tiles fastest)
-    prefetch: bool = False  # ws: each K block's scales loaded two blocks ahead (chains of >= 3 dividing the K blocks)
     short_k: int = 0  # sm90: prefill variants (no split K, one group) with K <= this take `SHORT_K` instead
     pass_configs: dict = field(default_factory=dict, hash=False, compare=False)
 

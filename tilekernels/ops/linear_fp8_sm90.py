@@ -17,7 +17,7 @@ clusters of two CTAs that share the A tile by TMA multicast (`cluster`: the same
 """
 
 from tilekernels.op import require
-from tilekernels.ops.linear_sm90 import panel_tile, staged_store
+from tilekernels.ops.linear_sm90 import staged_store
 
 # The short-K prefill shapes' config (`Config.short_k`): 128x128 tiles, the ws body in chains of 8 K blocks, a
 # persistent grid of one program per SM (132 on the H100 / H200). On the H200 (`benchmarks/tune_fp8.py`, BENCHMARKS.md
@@ -166,19 +166,10 @@ def body_ws(P, v, cfg):
     CL = 2 if cfg.cluster == 2 and SK == 1 and NT % 2 == 0 else 1  # else no cluster (pairs share no A tile)
     require(grid % CL == 0, "linear", f"FP8 GEMM (ws): a persistent grid of {grid} programs in clusters of {CL}")
 
-    panel = cfg.panel if grid and CL == 1 and SK == 1 and G == 1 else 0
-    # prefetch: each K block's scales are loaded two blocks ahead into ring buffer (block % U); chains then start
-    # at multiples of U in every tile, so a step's buffer is static
-    PF = cfg.prefetch and U >= 3 and KT % U == 0
-    NB = U if PF else 2  # scale buffers
-
-    def tile_of(t, MT):
+    def tile_of(t):
         # clusters: the pair (t even, t + 1) shares its rows and group (the multicast A tile); N tiles fastest
         if CL > 1:
             return 0, t // NT % G, t // (NT * G) * BM, t % NT * BN
-        if panel:
-            m0, n0 = panel_tile(T, t, MT, NT, panel, BM, BN)
-            return 0, 0, m0, n0
         return lf._tile(t, v, NT, BM, BN)
     places = {n: list(range(n)) for n in range(1, U + 1)}
     staged = cfg.tma_store and SK == 1 and BM == 128 and threads == 256 and cfg.full_rows  # two 64-row warpgroups
@@ -206,43 +197,29 @@ def body_ws(P, v, cfg):
             T.mbarrier_arrive(empty[slot])
 
     @T.macro
-    def prefetch(SA, SW, sas, ws, here, there, kk, u: int):
-        # the scales of block kk + 2 of this tile (here: its split, group, rows, columns), or of the next tile
-        # (there) where this tile has no such block, into the buffer that block's step reads
-        b = (u + 2) % NB
-        if kk + 2 < KT:
-            load_scales(SA, SW, sas[b], ws[b], here[1], here[2], here[3], here[0] * KT + kk + 2)
-        else:
-            load_scales(SA, SW, sas[b], ws[b], there[1], there[2], there[3], there[0] * KT + kk + 2 - KT)
-
-    @T.macro
-    def step(SA, SW, a_s, b_s, full, empty, parts, sas, ws, total, here, there, kk, it, tx, u: int):
+    def step(SA, SW, a_s, b_s, full, empty, parts, sas, ws, total, g, m0, n0, ks, kk, it, tx, u: int):
         # kk: the K block within this tile, it: the program's running K block count (slot and parity); u: its
-        # place in the chain (static: picks the partial accumulator and the scale buffer; the first has nothing to
-        # promote yet)
-        if not PF:
-            load_scales(SA, SW, sas[u % 2], ws[u % 2], here[1], here[2], here[3], here[0] * KT + kk)
+        # place in the chain (static: picks the partial accumulator; the first has nothing to promote yet)
+        load_scales(SA, SW, sas[u % 2], ws[u % 2], g, m0, n0, ks * KT + kk)
         T.mbarrier_wait_parity(full[it % ST], (it // ST) % 2)
         T.wgmma_gemm(a_s[it % ST, :, :], b_s[it % ST, :, :], parts[u % 2], transpose_B=True, clear_accum=True,
                      policy=policy)
-        if PF:
-            prefetch(SA, SW, sas, ws, here, there, kk, u)
         if u > 0:
             T.wait_wgmma(1)
             T.warpgroup_fence_operand(parts[1 - u % 2], num_regs=BM * BN // threads)  # read after the wait only
             release(empty, (it - 1) % ST, tx)
-            promote(parts[1 - u % 2], total, sas[(u - 1) % NB], ws[(u - 1) % NB])
+            promote(parts[1 - u % 2], total, sas[1 - u % 2], ws[1 - u % 2])
 
     @T.macro
-    def chain(SA, SW, a_s, b_s, full, empty, parts, sas, ws, total, here, there, k0, it0, tx, length: int):
+    def chain(SA, SW, a_s, b_s, full, empty, parts, sas, ws, total, g, m0, n0, ks, k0, it0, tx, length: int):
         # `length` K blocks from k0 unrolled, each block's wgmma in flight while the previous one is promoted;
         # drained at the end (ptxas serialises all wgmmas when one is still in flight across a loop's back edge)
         for u in places[length]:  # a Python list: unrolled while the IR is built
-            step(SA, SW, a_s, b_s, full, empty, parts, sas, ws, total, here, there, k0 + u, it0 + u, tx, u)
+            step(SA, SW, a_s, b_s, full, empty, parts, sas, ws, total, g, m0, n0, ks, k0 + u, it0 + u, tx, u)
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(parts[(length - 1) % 2], num_regs=BM * BN // threads)
         release(empty, (it0 + length - 1) % ST, tx)
-        promote(parts[(length - 1) % 2], total, sas[(length - 1) % NB], ws[(length - 1) % NB])
+        promote(parts[(length - 1) % 2], total, sas[(length - 1) % 2], ws[(length - 1) % 2])
 
     @T.prim_func
     def kernel(A: T.Tensor(a_shape, "uint8"), SA: T.Tensor(sa_shape, "float32"), W: T.Tensor(w_shape, "uint8"),
@@ -263,8 +240,10 @@ def body_ws(P, v, cfg):
             p0 = T.alloc_fragment((BM, BN), "float32")
             p1 = T.alloc_fragment((BM, BN), "float32")
             total = T.alloc_fragment((BM, BN), "float32")
-            sas = tuple(T.alloc_fragment((BM,), "float32") for _ in range(NB))
-            ws = tuple(T.alloc_local((1,), sdt) for _ in range(NB))
+            sa0 = T.alloc_fragment((BM,), "float32")
+            sa1 = T.alloc_fragment((BM,), "float32")
+            w0 = T.alloc_local((1,), sdt)
+            w1 = T.alloc_local((1,), sdt)
             c_s = T.alloc_shared((2, 64, BN), out_dtype) if staged else None  # each warpgroup's rows
             tx = T.get_thread_binding()
             count = T.ceildiv(tiles - pid, grid) if grid else 1
@@ -273,7 +252,7 @@ def body_ws(P, v, cfg):
             if tx >= threads:
                 T.dec_max_nreg(24)
                 for r in T.serial(count):
-                    ks, g, m0, n0 = tile_of(pid + r * grid, MT)
+                    ks, g, m0, n0 = tile_of(pid + r * grid)
                     for kk in T.serial(KT):
                         it = r * KT + kk
                         kb = ks * KT + kk
@@ -285,21 +264,15 @@ def body_ws(P, v, cfg):
                         T.mbarrier_arrive(full[it % ST])
             else:
                 T.inc_max_nreg(240)
-                if PF:  # the first tile's first two blocks; each step then loads the block two ahead
-                    ks0, g0, m00, n00 = tile_of(pid, MT)
-                    load_scales(SA, SW, sas[0], ws[0], g0, m00, n00, ks0 * KT)
-                    load_scales(SA, SW, sas[1], ws[1], g0, m00, n00, ks0 * KT + 1)
                 for r in T.serial(count):
-                    ks, g, m0, n0 = tile_of(pid + r * grid, MT)
-                    ks1, g1, m01, n01 = tile_of(pid + (r + 1) * grid, MT)  # past the last tile: loads never read
-                    here, there = (ks, g, m0, n0), (ks1, g1, m01, n01)
+                    ks, g, m0, n0 = tile_of(pid + r * grid)
                     T.clear(total)
                     for c in T.serial(KT // U):
-                        chain(SA, SW, a_s, b_s, full, empty, (p0, p1), sas, ws, total, here, there, c * U,
-                              r * KT + c * U, tx, U)
+                        chain(SA, SW, a_s, b_s, full, empty, (p0, p1), (sa0, sa1), (w0, w1), total, g, m0, n0, ks,
+                              c * U, r * KT + c * U, tx, U)
                     if KT % U:
-                        chain(SA, SW, a_s, b_s, full, empty, (p0, p1), sas, ws, total, here, there, KT - KT % U,
-                              r * KT + KT - KT % U, tx, KT % U)
+                        chain(SA, SW, a_s, b_s, full, empty, (p0, p1), (sa0, sa1), (w0, w1), total, g, m0, n0, ks,
+                              KT - KT % U, r * KT + KT - KT % U, tx, KT % U)
                     if SK > 1:
                         T.copy(total, C[ks, m0, g * N + n0])
                     elif staged:

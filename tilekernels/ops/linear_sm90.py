@@ -103,16 +103,6 @@ def staged_store(T, BN: int):
     return store
 
 
-def panel_tile(T, i, MT, NT: int, PN: int, BM: int, BN: int):
-    """(first row, first column) of a persistent GEMM's work tile i when tiles are walked in panels of PN row tiles
-    (of MT), rows fastest within a panel: the programs running at once share a few W tiles and one panel's A rows,
-    so both stay in L2 while the output streams past. The last panel may hold fewer row tiles."""
-    p = i // (PN * NT)
-    rows = T.min(PN, MT - p * PN)
-    rem = i - p * PN * NT
-    return (p * PN + rem % rows) * BM, rem // rows * BN
-
-
 def ws_fits(v, t: Tiles) -> bool:
     """`body_ws` takes whole tiles only (no N or K edge) and 128-row tiles of two consumer warpgroups."""
     return v.n % t.block_n == 0 and v.k % t.block_k == 0 and t.block_m == 128 and t.threads == 256
@@ -132,7 +122,10 @@ def body_ws(P, v, t: Tiles):
     M = T.dynamic("M")
 
     def tile_of(i, MT):
-        return panel_tile(T, i, MT, NT, PN, BM, BN)
+        p = i // (PN * NT)
+        rows = T.min(PN, MT - p * PN)  # the last panel may hold fewer row tiles
+        rem = i - p * PN * NT
+        return (p * PN + rem % rows) * BM, rem // rows * BN
 
     store = staged_store(T, BN)
 
