@@ -41,3 +41,21 @@ def test_the_quantized_slice_tag_plans_the_fp8_and_fp4_kernels():
     assert {("linear", "gemm_fp8"), ("act_quant", "act_quant")} <= kernels
     assert any(op == "moe_experts" and "fp4" in kernel for op, kernel in kernels)
     assert ("linear", "gemm_fp8") not in {(op, kernel) for op, kernel, _ in items_for("slice")}
+
+
+def test_the_gemm_tag_plans_what_the_gemm_tests_launch():
+    """`gemm`: the bf16 prefill variants of `tests/gpu/test_linear_sm90_gpu.py` (its ragged row counts included), the
+    grouped swapped decode variant, and the FP8 GEMMs of `tests/gpu/test_fp8_gpu.py` at every row bucket and both scale
+    formats, with the activations' quantization."""
+    from tests.gpu import test_linear_sm90_gpu as bf16_tests
+    from tilekernels.ops import linear, linear_fp8
+
+    items = items_for("gemm")
+    gemms = {v for op, kernel, v in items if (op, kernel) == ("linear", "gemm")}
+    assert {linear.variant(m, n, k) for n, k in bf16_tests.SHAPES for m in bf16_tests.ROWS} <= gemms
+    assert linear.variant(5, 1024, 4096, 8) in gemms
+    fp8 = [v for op, kernel, v in items if kernel == "gemm_fp8"]
+    assert linear_fp8.variant(4096, 32768, 1024, (128, 128), True) in fp8  # the short-K prefill body
+    assert any(v.narrow for v in fp8) and any(v.split_k > 1 for v in fp8) and any(v.groups == 8 for v in fp8)
+    assert {v.block for v in fp8} == {(128, 128), (32, 32)} and {v.ue8m0 for v in fp8} == {True, False}
+    assert any(op == "act_quant" for op, _, _ in items)

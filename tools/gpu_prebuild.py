@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels", "bench")
+TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels", "bench", "gemm")
 
 
 def kernel_test_items() -> list[tuple]:
@@ -64,6 +64,36 @@ def kernel_bench_items() -> list[tuple]:
     return list(recorder.seen)
 
 
+def gemm_test_items() -> list[tuple]:
+    """The (op, kernel, variant) items of the bf16 and FP8 GEMM tests (`tests/gpu/test_linear_sm90_gpu.py`,
+    `tests/gpu/test_fp8_gpu.py`): their calls at their shapes and row counts, run on meta tensors through a
+    recorder."""
+    import torch
+
+    from tests.gpu import test_fp8_gpu as fp8_tests
+    from tests.gpu import test_linear_sm90_gpu as bf16_tests
+    from tilekernels.kernels import Recorder, table
+    from tilekernels.ops import act_quant, grouped_linear, linear, linear_fp8
+
+    recorder, meta = Recorder(), torch.device("meta")
+    ops = table(recorder)
+    items = [("linear", "gemm", linear.variant(m, n, k)) for n, k in bf16_tests.SHAPES for m in bf16_tests.ROWS]
+    items += [("linear", "gemm", linear.variant(m, 1024, 4096, 8)) for m in (1, 5)]
+    calls = [(linear_fp8.Variant(n, k, "bfloat16", (128, 128), g, ue8m0=True), t)
+             for _, n, k, g in fp8_tests.SHAPES for t in (1, 8, 64, 300, 1000, 4096)]
+    calls += [(linear_fp8.Variant(2048, 1024, "bfloat16", block, ue8m0=ue8m0), t)
+              for block, ue8m0 in (((128, 128), False), ((32, 32), True)) for t in (3, 512)]
+    for v, tokens in calls:
+        op = grouped_linear if v.groups > 1 else linear
+        getattr(ops, op.OP.name)(*op.example(v, tokens, meta))
+    quantized = [(act_quant.Variant(k, 128, "bfloat16", pow2), rows) for k in (4096, 1024, 8192)
+                 for pow2 in (True, False) for rows in (33, 300)]
+    quantized += [(act_quant.Variant(1024, 32, dtype, True), act_quant.WIDE_ROWS + 1) for dtype in ("bfloat16", "float16")]
+    for v, rows in quantized:
+        ops.act_quant(*act_quant.example(v, rows, meta))
+    return items + list(recorder.seen)
+
+
 def items_for(tag: str) -> list[tuple]:
     """The (op, kernel, variant) items of `tag`'s configs."""
     from deepinfer.compile.plan import kernel_plan
@@ -99,6 +129,8 @@ def items_for(tag: str) -> list[tuple]:
         return kernel_test_items()
     if tag == "bench":
         return kernel_bench_items()
+    if tag == "gemm":
+        return gemm_test_items()
     if tag in ("slice", "slice-invariant", "qslice"):
         from benchmarks.decode import SLICE
 
