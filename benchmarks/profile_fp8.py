@@ -14,8 +14,8 @@ def main(specs: list[str], names: bool) -> None:
     import torch
 
     from benchmarks.tune_fp8 import SHAPES, torch_blockwise
-    from tilekernels.kernels import kernel_launcher
     from deepinfer.env import Env
+    from tilekernels.kernels import kernel_launcher
     from tilekernels.ops import act_quant, linear, linear_fp8
     from tilekernels.quant import scale_to_float
 
