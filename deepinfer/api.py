@@ -98,9 +98,10 @@ class LLM:
                 raise ConfigError(f"prefix_cache={prefix_cache!r}: the prefix cache is implemented for DeepSeek-V4 "
                                   "only so far; DeepSeek-V4.1 runs without it (None or 'off')")
         if self.parallel.world > 1:
-            if v41:
-                raise ConfigError("data_parallel_size / tensor_parallel_size > 1 run DeepSeek-V4 only; DeepSeek-V4.1 "
-                                  "runs on one device")
+            if v41 and self.parallel.tensor_parallel_size > 1:
+                raise ConfigError(f"tensor_parallel_size={self.parallel.tensor_parallel_size}: DeepSeek-V4.1 runs "
+                                  "data-parallel (--data-parallel-size, with --enable-expert-parallel to split its "
+                                  "routed experts) but not tensor-parallel yet; accepted: tensor_parallel_size=1")
             self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
             if self.batch_invariant:  # the ranks' sums (NCCL picks its algorithm by message size) and EPLB's placement
                 raise ConfigError("batch_invariant (--batch-invariant) runs on one device: across ranks a token's sums "
@@ -139,7 +140,8 @@ class LLM:
                              draft_layers=(cfg.num_nextn_predict_layers if cfg.dspark else 1) if drafts != 0 and mtp else 0,
                              lookahead=(default_draft_tokens(block) if drafts is None else drafts) if mtp else 0)
         if v41:
-            built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts)
+            built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts,
+                                 self._comm, eplb)
         else:
             built = assemble_v4(cfg, self.model_dir, self.backend, torch_dtype, env, opts, self._comm, eplb,
                                 load_mtp=drafts != 0)

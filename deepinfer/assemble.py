@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -219,9 +219,11 @@ def engram_hasher(cfg: V41Config, tokenizer_path: Path):
     return from_classes(e.layer_ids, e.max_ngram, e.n_heads, e.vocab_size, e.pad_id, classes)
 
 
-def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype, keep_quantized: bool = False) -> int:
+def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype, keep_quantized: bool = False,
+                     share: Callable[[str], float] | None = None) -> int:
     """Bytes of the loaded V4.1 weights: with `keep_quantized` the tensors `load_v41` keeps FP8 / FP4 at their
-    stored size (values and scales), the rest at `dtype` (fp32 ones at 4 bytes); the Engram tables FP8 always."""
+    stored size (values and scales), the rest at `dtype` (fp32 ones at 4 bytes); the Engram tables FP8 always.
+    `share(name)`: the fraction of each tensor this rank keeps (several ranks)."""
     from deepinfer.model.v41_weights import tensor_specs
     from deepinfer.model.weights import FP32
     from deepinfer.weights.v41_formats import loaded_format_v41, stored_bytes
@@ -231,20 +233,23 @@ def v41_weight_bytes(cfg: V41Config, dtype: torch.dtype, keep_quantized: bool = 
     for name, spec in tensor_specs(cfg).items():
         fmt = loaded_format_v41(name, cfg, keep_quantized)
         if fmt is None:
-            total += math.prod(spec.shape) * (4 if spec.kind == FP32 else model)
+            size = math.prod(spec.shape) * (4 if spec.kind == FP32 else model)
         else:
-            total += stored_bytes(spec.shape, fmt)
+            size = stored_bytes(spec.shape, fmt)
+        total += size if share is None else int(size * share(name))
     return total
 
 
 def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend: Backend, dtype: torch.dtype,
-                 env: Env, opts: EngineOptions) -> Assembled:
+                 env: Env, opts: EngineOptions, comm=None, eplb=None) -> Assembled:
+    """`comm`: one rank of several (with expert parallelism it reads and holds its own routed experts, `eplb`
+    balancing them), as `assemble_v4`."""
     from deepinfer.model.v41 import DeepseekV41
     from deepinfer.model.v41_cache import unit_bytes
     from deepinfer.model.v41_weights import V41Weights, tensor_specs
     from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps
     from deepinfer.weights.v41_formats import quantization_config
-    from deepinfer.weights.v41_loader import load_v41
+    from deepinfer.weights.v41_loader import ROUTED, load_v41
 
     if backend.name not in V41_BACKENDS:  # check_v41_backend ran first; this guards a direct call
         raise ConfigError(f"backend {backend.name!r}: DeepSeek-V4.1 runs on the backends {V41_BACKENDS} for now")
@@ -252,8 +257,14 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     # as V4: the checkpoint's FP8 / FP4 tensors stay quantized with `auto` where the model takes them so (the
     # reference ops dequantize one tensor at a time, the kernels read them as stored); `none` dequantizes at load
     keep = opts.quantization == "auto"
-    weights_size = v41_weight_bytes(cfg, dtype, keep)
+    placement = share = None
+    if comm is not None:  # where the routed experts go, before anything is read: a rank reads its own only
+        from deepinfer.parallel.shard import expert_placement, experts_to_read
 
+        placement = expert_placement(cfg, comm, eplb)
+        kept = placement.slots_per_rank / cfg.n_routed_experts if placement is not None else 1.0
+        share = lambda name: kept if ROUTED.match(name) else 1.0  # noqa: E731
+    weights_size = v41_weight_bytes(cfg, dtype, keep, share)
     ahead = opts.lookahead if opts.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
 
     def unit(spec) -> tuple[int, int]:
@@ -270,10 +281,20 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     ready_kernels(backend, cfg, dtype, env, opts, clock)  # before the weights: a kernel that fails stops the run early
     bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
     ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep,
-                    progress=None if bar is None else bar.update)
+                    progress=None if bar is None else bar.update,
+                    experts_of=None if placement is None else experts_to_read(placement, comm.rank.rank))
     if bar is not None:
         bar.close()
-    model = DeepseekV41(cfg, V41Weights.from_tensors(cfg, ckpt.tensors), backend.ops, hasher)
+    shard = None
+    if placement is not None:  # this rank's expert slots, read so; the weights keep meta stand-ins of the whole shape
+        from deepinfer.parallel.experts import ExpertShard
+        from deepinfer.parallel.shard import take_experts, without_routed_experts
+
+        gate_up, down = take_experts(ckpt.tensors, cfg, placement, comm.rank.rank, whole=False, module="ffn")
+        shard = ExpertShard(backend.ops, comm, placement, gate_up, down, eplb)  # the layout one process runs
+    weights = V41Weights.from_tensors(cfg, ckpt.tensors)
+    model = DeepseekV41(cfg, weights if shard is None else without_routed_experts(weights), backend.ops, hasher,
+                        experts=shard)
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                       opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead,
@@ -285,7 +306,13 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
               + ("(FP8/FP4 kept)" if kept else "(dense ones dequantized)")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB ({spec.num_blocks} blocks of {spec.block_tokens} "
               f"positions, FP4 latents and index keys)")
-    return Assembled(model, cache, V41Steps(model, cache, backend.capture), weights_size, report)
+    steps = V41Steps(model, cache, backend.capture if comm is None else None)  # several ranks: eager, as V4's
+    if comm is not None and comm.lockstep:
+        from deepinfer.parallel.lockstep import EagerLockstepSteps
+
+        steps = EagerLockstepSteps(steps, model, comm)
+    return Assembled(model, cache, steps, weights_size, report)
+
 
 
 class Phases:

@@ -137,11 +137,9 @@ class DeepseekV4:
     def idle(self) -> None:
         """A forward pass without tokens: every layer's expert exchange with the other ranks (a data-parallel rank
         with nothing to run while others step, under expert parallelism)."""
-        cfg, k = self.cfg, self.cfg.num_experts_per_tok
-        x = self.weights.embed.new_zeros((0, cfg.hidden_size))
-        weights, indices = x.new_zeros((0, k), dtype=torch.float32), x.new_zeros((0, k), dtype=torch.int64)
-        for layer in range(cfg.num_hidden_layers):
-            self._experts(layer, indices[:, 0], x, weights, indices, cfg.swiglu_limit)
+        cfg = self.cfg
+        self._experts.idle(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts_per_tok, cfg.swiglu_limit,
+                           self.weights.embed.dtype)
 
     def blocks(self, ids: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
                taps: list[torch.Tensor] | None = None, side: Any | None = None,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -35,7 +37,10 @@ ENGRAM_DTYPE = torch.bfloat16  # the reference feeds the Engram projection bf16 
 
 
 class DeepseekV41:
-    def __init__(self, cfg: V41Config, weights: V41Weights, ops: OpTable, hasher: EngramHasher | None):
+    def __init__(self, cfg: V41Config, weights: V41Weights, ops: OpTable, hasher: EngramHasher | None,
+                 experts: Callable | None = None):
+        """`experts` (a `deepinfer.parallel.experts.ExpertShard`): this process is one rank of several and the
+        routed experts are split over the ranks (`weights` then holds none)."""
         if cfg.engram is not None:
             if hasher is None:
                 raise ConfigError("this V4.1 config has Engram layers: the model needs their n-gram hasher "
@@ -64,6 +69,7 @@ class DeepseekV41:
         self.main_rope = main  # ratio-0 layers and the DSpark blocks
         self._ctx = [LayerContext.build(cfg, ops, i, main, comp) for i in range(cfg.num_hidden_layers)]
         self._swiglu_limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else math.inf  # 0 means no clamp
+        self.expert_shard = experts
 
     @property
     def dtype(self) -> torch.dtype:
@@ -132,10 +138,10 @@ class DeepseekV41:
         rows = None if self.hasher is None else self._ngram_rows(cache, ids, step.slot, step.t, 1)
         return self._layers(cache, ids, step.t, step, rows, None, hidden)
 
-    def block(self, layer: Layer41, h: torch.Tensor, pre: torch.Tensor, attend, top_k: int):
+    def block(self, layer: Layer41, h: torch.Tensor, pre: torch.Tensor, attend, top_k: int, experts=None):
         """One block with mHC "single pass": h [N, hc, H] streams, `pre` [N, hc] the mix collapsing them for its
         attention (the previous block's FFN computed it), `attend(x)` its attention -> (streams, the mix for the
-        next block)."""
+        next block). `experts`: what runs the routed experts when the ranks split them (`moe`)."""
         cfg, ops = self.cfg, self.ops
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
         hc = layer.attn_hc
@@ -145,8 +151,16 @@ class DeepseekV41:
         hc = layer.ffn_hc
         pre, post, comb = ops.hc_mixes(h, hc.fn, hc.base, hc.scale, iters, hc_eps, eps)
         f = ops.rms_norm(ops.hc_collapse(h, attn_pre), layer.ffn_norm, eps)
-        f = moe(ops, layer.moe, f, top_k, cfg.scoring_func, cfg.routed_scaling_factor, self._swiglu_limit)
+        f = moe(ops, layer.moe, f, top_k, cfg.scoring_func, cfg.routed_scaling_factor, self._swiglu_limit,
+                experts=experts)
         return ops.hc_post(h, f, post, comb), pre
+
+    def idle(self) -> None:
+        """A forward pass without tokens: every layer's expert exchange with the other ranks (a data-parallel rank
+        with nothing to run while others step, under expert parallelism)."""
+        cfg = self.cfg
+        self.expert_shard.idle(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts_per_tok, self._swiglu_limit,
+                               self.dtype)
 
     def streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedded ids [N] as hc_mult copies [N, hc, H] and the starting pre mix (one-hot on copy 0)."""
@@ -167,8 +181,9 @@ class DeepseekV41:
                 h = self._engram(layer.engram, h, engram_rows[:, cfg.engram.layer_ids.index(i)])
             if i in targets:  # DSpark reads the input streams of its target layers (after the Engram)
                 taps.append(h.mean(dim=1))
+            experts = None if self.expert_shard is None else partial(self.expert_shard, i, ids)
             h, pre = self.block(layer, h, pre, lambda a, i=i, layer=layer: attention(
-                self._ctx[i], layer, cache, chunks, a, pos, shared), cfg.num_experts_per_tok)
+                self._ctx[i], layer, cache, chunks, a, pos, shared), cfg.num_experts_per_tok, experts)
         logits = self._head(h, pre, chunks, logit_rows)
         if not hidden:
             return logits

@@ -94,6 +94,14 @@ class ExpertShard:
                                    self.down[layer], limit)
         return comm.world_sum(out)[start:start + n]
 
+    def idle(self, layers: int, hidden: int, top_k: int, limit: float, dtype: torch.dtype) -> None:
+        """A forward pass without tokens: every layer's exchange with the other ranks (a data-parallel rank with
+        nothing to run while others step)."""
+        x = torch.zeros((0, hidden), dtype=dtype, device=self.comm.device)
+        weights, indices = x.new_zeros((0, top_k), dtype=torch.float32), x.new_zeros((0, top_k), dtype=torch.int64)
+        for layer in range(layers):
+            self(layer, indices[:, 0], x, weights, indices, limit)
+
     def balance(self) -> float | None:
         """max / mean tokens per rank under the current placement, averaged over the layers, of the loads counted
         since the last rebalance (every rank takes part: a collective); None without EPLB or before any token."""

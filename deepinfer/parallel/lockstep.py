@@ -83,3 +83,36 @@ class LockstepSteps:
             yield
         finally:
             shard.static = False
+
+
+class EagerLockstepSteps:
+    """The same agreement for steps that decode eagerly on several ranks (DeepSeek-V4.1's `V41Steps`): every
+    forward's expert exchange carries each rank's row count, a rank with nothing to run while others step runs idle
+    forwards (its layers' exchanges without tokens), and `drain` keeps answering until no rank steps."""
+
+    def __init__(self, steps, model, comm: Comm):
+        self.steps, self.model, self.comm = steps, model, comm
+        self.vocab_size, self.eos_token_ids = steps.vocab_size, steps.eos_token_ids
+        self.max_positions, self.device = steps.max_positions, steps.device
+        self.idle_steps = 0
+
+    capture = None  # eager: no decode graphs (their exchange would need every rank's rows fixed per bucket)
+    last_logits = None
+
+    def capture_all(self) -> list[torch.Tensor]:
+        return []
+
+    def prefill(self, ids, positions, seqs, logit_rows, **kwargs):
+        self.comm.agree(True, True, 0)
+        return self.steps.prefill(ids, positions, seqs, logit_rows, **kwargs)
+
+    def decode(self, ids, positions, seqs):
+        self.comm.agree(True, False, len(seqs))
+        return self.steps.decode(ids, positions, seqs)
+
+    @torch.inference_mode()
+    def drain(self) -> None:
+        """Idle forwards while any other rank still steps; returns when every rank has drained."""
+        while self.comm.agree(False, False, 0)[0]:
+            self.model.idle()
+            self.idle_steps += 1

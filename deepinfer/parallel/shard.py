@@ -64,12 +64,15 @@ def rank_share(cfg: ModelConfig, rank: Rank, placement: Placement | None) -> Cal
     return share
 
 
-def take_experts(tensors: dict, cfg: ModelConfig, placement: Placement, rank: int, whole: bool) -> tuple[list, list]:
+def take_experts(tensors: dict, cfg, placement: Placement, rank: int, whole: bool,
+                 module: str = "mlp") -> tuple[list, list]:
     """Every layer's routed-expert weights of this rank's slots, popped out of `tensors` (`whole`: the tensors hold
-    every expert, else already this rank's slots); a meta tensor of the whole shape stays for the shape checks."""
+    every expert, else already this rank's slots); a meta tensor of the whole shape stays for the shape checks.
+    `module`: the layers' MoE module name (V4 `mlp`, V4.1 `ffn`)."""
     gate_up, down = [], []
     for i in range(cfg.num_hidden_layers):
-        for name, out in ((f"layers.{i}.mlp.experts.gate_up_proj", gate_up), (f"layers.{i}.mlp.experts.down_proj", down)):
+        prefix = f"layers.{i}.{module}.experts."
+        for name, out in ((prefix + "gate_up_proj", gate_up), (prefix + "down_proj", down)):
             w = tensors[name]
             if whole:
                 w = rows(w, torch.tensor(slot_experts(placement, rank, i)))
@@ -117,6 +120,13 @@ def shard_weights(weights: ModelWeights, cfg: ModelConfig, rank: Rank) -> ModelW
         moe = dataclasses.replace(m, gate_up=None, down=None) if rank.parallel.enable_expert_parallel else m
         layers.append(dataclasses.replace(layer, attn=attn, moe=moe))
     return dataclasses.replace(weights, layers=tuple(layers))
+
+
+def without_routed_experts(weights):
+    """`weights` (V4's or V4.1's) whose layers hold no routed experts (the rank's `ExpertShard` holds its share)."""
+    layers = tuple(dataclasses.replace(layer, moe=dataclasses.replace(layer.moe, gate_up=None, down=None))
+                   for layer in weights.layers)
+    return dataclasses.replace(weights, layers=layers)
 
 
 def cut(w, dim: int, start: int, length: int, name: str):

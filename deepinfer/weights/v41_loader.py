@@ -57,12 +57,14 @@ class V41Checkpoint:
 
 def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", keep_quantized: bool = False,
-             progress: Callable[[int], object] | None = None) -> V41Checkpoint:
+             progress: Callable[[int], object] | None = None,
+             experts_of: Callable[[str], list[int]] | None = None) -> V41Checkpoint:
     """Read every tensor `cfg` needs from `model_dir`, each checkpoint tensor once; a `WeightsError` names a
     missing tensor, a wrong shape, a quantized tensor without its scale, or a scale that does not fit its weight
     (grid or dtype). `progress(1)` (V4's `load_checkpoint`: e.g. a tqdm bar's `update`) after each tensor of
     `tensor_specs(cfg)` is in place, a routed expert's as it joins its layer's stack: `len(tensor_specs(cfg))`
-    calls in all."""
+    calls in all. `experts_of(name)`: the routed experts of stacked tensor `layers.N.ffn.experts.*` to read, in that
+    order (one rank's share, as V4's `load_checkpoint`; the checkpoint must still hold every expert); default all."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     specs = tensor_specs(cfg)
@@ -98,7 +100,7 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
             done(1)
         for prefix in moes:  # one stacked tensor on the host at a time
             for stacked, tensor in _experts(prefix, cfg, values, scales, read, dtype, block, keep_quantized, ckpt,
-                                            done):
+                                            done, experts_of):
                 ckpt.tensors[stacked] = tensor.to(device)
     finally:
         read.close()
@@ -146,15 +148,19 @@ PARTS = {"w1": "gate", "w3": "up", "w2": "down"}  # upstream's routed-expert wei
 
 
 def _experts(prefix: str, cfg: V41Config, values: dict[str, str], scales: dict[str, str], read, dtype: torch.dtype,
-             block: tuple[int, int], keep: bool, ckpt: V41Checkpoint,
-             done: Callable[[int], object]) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
+             block: tuple[int, int], keep: bool, ckpt: V41Checkpoint, done: Callable[[int], object],
+             experts_of: Callable[[str], list[int]] | None = None) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
     """Layer `prefix`'s routed experts, (name, tensor) for gate over up [E, 2I, D] then down [E, D, I], each
     stacked while read (`_stack`): FP4 kept with `keep` when the config's experts are FP4 and every expert part
-    has its scale, else dequantized into the stack."""
-    e, inter, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    for stacked, ws, shape in ((prefix + GATE_UP, ("w1", "w3"), (e, 2 * inter, d)),
-                               (prefix + DOWN, ("w2",), (e, d, inter))):
-        names = [[f"{prefix}experts.{i}.{w}.weight" for w in ws] for i in range(e)]
+    has its scale, else dequantized into the stack. `experts_of(name)`: only those experts, in that order (the
+    stack is [len, ...]; the others are counted as done unread)."""
+    inter, d = cfg.moe_intermediate_size, cfg.hidden_size
+    for stacked, ws, rows in ((prefix + GATE_UP, ("w1", "w3"), (2 * inter, d)), (prefix + DOWN, ("w2",), (d, inter))):
+        chosen = list(range(cfg.n_routed_experts)) if experts_of is None else experts_of(stacked)
+        shape = (len(chosen), *rows)
+        if len(chosen) < cfg.n_routed_experts:
+            done((cfg.n_routed_experts - len(chosen)) * len(ws))
+        names = [[f"{prefix}experts.{i}.{w}.weight" for w in ws] for i in chosen]
         fmt = checkpoint_format_v41(names[0][0], cfg) if keep else None
         kept = fmt is not None and all(n in scales for parts in names for n in parts)
         parts = [[(PARTS[n.split(".")[-2]], values[n], scales.get(n)) for n in experts] for experts in names]
