@@ -314,7 +314,6 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     return Assembled(model, cache, steps, weights_size, report)
 
 
-
 class Phases:
     """Start-up phases, each logged at INFO with its seconds as it ends (`deepinfer: start-up: NAME S s (NOTE)`)."""
 
