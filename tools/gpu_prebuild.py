@@ -80,14 +80,14 @@ def gemm_test_items() -> list[tuple]:
     items = [("linear", "gemm", linear.variant(m, n, k)) for n, k in bf16_tests.SHAPES for m in bf16_tests.ROWS]
     items += [("linear", "gemm", linear.variant(m, 1024, 4096, 8)) for m in (1, 5)]
     calls = [(linear_fp8.Variant(n, k, "bfloat16", (128, 128), g, ue8m0=True), t)
-             for _, n, k, g in fp8_tests.SHAPES for t in (1, 8, 64, 300, 1000, 4096)]
+             for _, n, k, g in fp8_tests.SHAPES for t in (*fp8_tests.TOKENS, fp8_tests.GRAPH_TOKENS)]
     calls += [(linear_fp8.Variant(2048, 1024, "bfloat16", block, ue8m0=ue8m0), t)
-              for block, ue8m0 in (((128, 128), False), ((32, 32), True)) for t in (3, 512)]
+              for block, ue8m0 in (((128, 128), False), ((32, 32), True)) for t in fp8_tests.FORMAT_TOKENS]
     for v, tokens in calls:
         op = grouped_linear if v.groups > 1 else linear
         getattr(ops, op.OP.name)(*op.example(v, tokens, meta))
-    quantized = [(act_quant.Variant(k, 128, "bfloat16", pow2), rows) for k in (4096, 1024, 8192)
-                 for pow2 in (True, False) for rows in (33, 300)]
+    quantized = [(act_quant.Variant(k, 128, "bfloat16", pow2), rows) for k in fp8_tests.ACT_WIDTHS
+                 for pow2 in (True, False) for rows in fp8_tests.ACT_ROWS]
     quantized += [(act_quant.Variant(1024, 32, dtype, True), act_quant.WIDE_ROWS + 1) for dtype in ("bfloat16", "float16")]
     for v, rows in quantized:
         ops.act_quant(*act_quant.example(v, rows, meta))

@@ -10,6 +10,8 @@ whether some rank prefills, and the most decode rows of any rank.
   is captured with the step); idle ranks run the same bucket with only padding rows.
 
 A rank with nothing left (`drain`, at the end of its run) keeps answering until no rank steps.
+`EagerLockstepSteps` (DeepSeek-V4.1's `V41Steps`, and `LockstepSteps`' base) keeps every forward eager, as in
+the first case.
 """
 
 from __future__ import annotations
@@ -18,17 +20,46 @@ from contextlib import contextmanager
 
 import torch
 
-from deepinfer.model.model import DeepseekV4
 from deepinfer.parallel.comm import Comm
-from deepinfer.runtime.steps import V4Steps
 
 
-class LockstepSteps:
-    def __init__(self, steps: V4Steps, model: DeepseekV4, comm: Comm):
+class EagerLockstepSteps:
+    """The agreement for steps that decode eagerly on several ranks (DeepSeek-V4.1's `V41Steps`, and the base of
+    `LockstepSteps`): every forward's expert exchange carries each rank's row count, a rank with nothing to run
+    while others step runs idle forwards (its layers' exchanges without tokens), and `drain` keeps answering until
+    no rank steps."""
+
+    capture = None  # eager: no decode graphs (their exchange would need every rank's rows fixed per bucket)
+    last_logits = None
+
+    def __init__(self, steps, model, comm: Comm):
         self.steps, self.model, self.comm = steps, model, comm
         self.vocab_size, self.eos_token_ids = steps.vocab_size, steps.eos_token_ids
         self.max_positions, self.device = steps.max_positions, steps.device
         self.idle_steps = 0  # forwards this rank ran without tokens (others stepped)
+
+    def capture_all(self) -> list[torch.Tensor]:
+        return []
+
+    def prefill(self, ids, positions, seqs, logit_rows, **kwargs):
+        self.comm.agree(True, True, 0)
+        return self.steps.prefill(ids, positions, seqs, logit_rows, **kwargs)
+
+    def decode(self, ids, positions, seqs):
+        self.comm.agree(True, False, len(seqs))
+        return self.steps.decode(ids, positions, seqs)
+
+    @torch.inference_mode()
+    def drain(self) -> None:
+        """Idle forwards while any other rank still steps; returns when every rank has drained."""
+        while self.comm.agree(False, False, 0)[0]:
+            self.model.idle()
+            self.idle_steps += 1
+
+
+class LockstepSteps(EagerLockstepSteps):
+    """DeepSeek-V4's `V4Steps` (with its `DeepseekV4`): decoding ranks run the same decode bucket, from its graph
+    where the steps capture."""
 
     @property
     def graphs(self):
@@ -49,10 +80,6 @@ class LockstepSteps:
     def capture_all(self):
         with self._static():  # every bucket's exchange with its own rows (the same bucket on every rank)
             return self.steps.capture_all()
-
-    def prefill(self, ids, positions, seqs, logit_rows):
-        self.comm.agree(True, True, 0)
-        return self.steps.prefill(ids, positions, seqs, logit_rows)
 
     def decode(self, ids, positions, seqs):
         _, mixed, rows = self.comm.agree(True, False, len(seqs))
@@ -83,36 +110,3 @@ class LockstepSteps:
             yield
         finally:
             shard.static = False
-
-
-class EagerLockstepSteps:
-    """The same agreement for steps that decode eagerly on several ranks (DeepSeek-V4.1's `V41Steps`): every
-    forward's expert exchange carries each rank's row count, a rank with nothing to run while others step runs idle
-    forwards (its layers' exchanges without tokens), and `drain` keeps answering until no rank steps."""
-
-    def __init__(self, steps, model, comm: Comm):
-        self.steps, self.model, self.comm = steps, model, comm
-        self.vocab_size, self.eos_token_ids = steps.vocab_size, steps.eos_token_ids
-        self.max_positions, self.device = steps.max_positions, steps.device
-        self.idle_steps = 0
-
-    capture = None  # eager: no decode graphs (their exchange would need every rank's rows fixed per bucket)
-    last_logits = None
-
-    def capture_all(self) -> list[torch.Tensor]:
-        return []
-
-    def prefill(self, ids, positions, seqs, logit_rows, **kwargs):
-        self.comm.agree(True, True, 0)
-        return self.steps.prefill(ids, positions, seqs, logit_rows, **kwargs)
-
-    def decode(self, ids, positions, seqs):
-        self.comm.agree(True, False, len(seqs))
-        return self.steps.decode(ids, positions, seqs)
-
-    @torch.inference_mode()
-    def drain(self) -> None:
-        """Idle forwards while any other rank still steps; returns when every rank has drained."""
-        while self.comm.agree(False, False, 0)[0]:
-            self.model.idle()
-            self.idle_steps += 1

@@ -15,6 +15,10 @@ pytestmark = pytest.mark.gpu
 # (name, n per group, k, groups): V4-Flash's FP8 projections (o_a_proj: 8 groups of 1024 from 4096)
 SHAPES = [("q_a", 1024, 4096, 1), ("q_b", 32768, 1024, 1), ("kv", 512, 4096, 1), ("o_a", 1024, 4096, 8),
           ("o_b", 4096, 8192, 1), ("shared_gate_up", 4096, 4096, 1), ("shared_down", 4096, 2048, 1)]
+TOKENS = (1, 64, 300, 1000, 4096)  # 300, 1000: the short-K body's ragged last tiles
+FORMAT_TOKENS = (3, 512)  # the other scale formats' row counts
+ACT_ROWS, ACT_WIDTHS = (33, 300), (4096, 1024, 8192)  # act_quant: portable body / row-tile override; V4's widths
+GRAPH_TOKENS = 8  # the CUDA-graph replay's rows
 
 
 def check(got, x, w, groups):
@@ -40,7 +44,7 @@ def check(got, x, w, groups):
     assert ((got - ref).abs() <= bound + ref.abs() / 128 + 1e-3 * scale).all(), ((got - ref).abs() - bound).max().item()
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 300, 1000, 4096])  # 300, 1000: the short-K body's ragged last tiles
+@pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("name, n, k, groups", SHAPES, ids=[s[0] for s in SHAPES])
 def test_fp8_projection_at_v4_flash_shapes(name, n, k, groups, tokens, sm90_ops, cuda, cache_dir):
     torch.manual_seed(tokens + n)
@@ -55,16 +59,16 @@ def test_fp8_projection_at_v4_flash_shapes(name, n, k, groups, tokens, sm90_ops,
 @pytest.mark.parametrize("block, ue8m0", [((128, 128), False), ((32, 32), True)], ids=["fp32-scales", "v41-32x32"])
 def test_fp8_other_scale_formats(block, ue8m0, sm90_ops, cuda):
     torch.manual_seed(3)
-    for tokens in (3, 512):
+    for tokens in FORMAT_TOKENS:
         v = linear_fp8.Variant(2048, 1024, "bfloat16", block, ue8m0=ue8m0)
         x, w = linear.example(v, tokens, cuda)
         check(sm90_ops.linear(x, w), x, w, 1)
 
 
-@pytest.mark.parametrize("rows", [33, 300], ids=["decode-rows", "prefill-rows"])  # portable body / row-tile override
+@pytest.mark.parametrize("rows", ACT_ROWS, ids=["decode-rows", "prefill-rows"])
 def test_act_quant_bytes_equal_torch_at_v4_widths(rows, sm90_ops, cuda):
     torch.manual_seed(0)
-    for k in (4096, 1024, 8192):
+    for k in ACT_WIDTHS:
         for pow2 in (True, False):
             args = act_quant.example(act_quant.Variant(k, 128, "bfloat16", pow2), rows, cuda)
             codes, scales = sm90_ops.act_quant(*args)
@@ -94,7 +98,7 @@ def test_act_quant_row_tiles_at_v41_groups_and_the_first_wide_row_count(dtype, s
 def test_fp8_projection_replays_from_a_cuda_graph(sm90_ops, cuda):
     torch.manual_seed(5)
     v = linear_fp8.Variant(1024, 4096, "bfloat16", (128, 128), ue8m0=True)
-    x, w = linear.example(v, 8, cuda)
+    x, w = linear.example(v, GRAPH_TOKENS, cuda)
     sm90_ops.linear(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
