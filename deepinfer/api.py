@@ -98,10 +98,6 @@ class LLM:
                 raise ConfigError(f"prefix_cache={prefix_cache!r}: the prefix cache is implemented for DeepSeek-V4 "
                                   "only so far; DeepSeek-V4.1 runs without it (None or 'off')")
         if self.parallel.world > 1:
-            if v41 and self.parallel.tensor_parallel_size > 1:
-                raise ConfigError(f"tensor_parallel_size={self.parallel.tensor_parallel_size}: DeepSeek-V4.1 runs "
-                                  "data-parallel (--data-parallel-size, with --enable-expert-parallel to split its "
-                                  "routed experts) but not tensor-parallel yet; accepted: tensor_parallel_size=1")
             self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
             if self.batch_invariant:  # the ranks' sums (NCCL picks its algorithm by message size) and EPLB's placement
                 raise ConfigError("batch_invariant (--batch-invariant) runs on one device: across ranks a token's sums "

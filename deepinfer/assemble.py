@@ -249,7 +249,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     from deepinfer.model.v41_weights import V41Weights, tensor_specs
     from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps
     from deepinfer.weights.v41_formats import quantization_config
-    from deepinfer.weights.v41_loader import ROUTED, load_v41
+    from deepinfer.weights.v41_loader import load_v41
 
     if backend.name not in V41_BACKENDS:  # check_v41_backend ran first; this guards a direct call
         raise ConfigError(f"backend {backend.name!r}: DeepSeek-V4.1 runs on the backends {V41_BACKENDS} for now")
@@ -259,11 +259,10 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     keep = opts.quantization == "auto"
     placement = share = None
     if comm is not None:  # where the routed experts go, before anything is read: a rank reads its own only
-        from deepinfer.parallel.shard import expert_placement, experts_to_read
+        from deepinfer.parallel.shard import expert_placement, experts_to_read, rank_model_v41, rank_share_v41
 
         placement = expert_placement(cfg, comm, eplb)
-        kept = placement.slots_per_rank / cfg.n_routed_experts if placement is not None else 1.0
-        share = lambda name: kept if ROUTED.match(name) else 1.0  # noqa: E731
+        share = rank_share_v41(cfg, comm.rank, placement)
     weights_size = v41_weight_bytes(cfg, dtype, keep, share)
     ahead = opts.lookahead if opts.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
 
@@ -288,13 +287,15 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     shard = None
     if placement is not None:  # this rank's expert slots, read so; the weights keep meta stand-ins of the whole shape
         from deepinfer.parallel.experts import ExpertShard
-        from deepinfer.parallel.shard import take_experts, without_routed_experts
+        from deepinfer.parallel.shard import take_experts
 
         gate_up, down = take_experts(ckpt.tensors, cfg, placement, comm.rank.rank, whole=False, module="ffn")
         shard = ExpertShard(backend.ops, comm, placement, gate_up, down, eplb)  # the layout one process runs
     weights = V41Weights.from_tensors(cfg, ckpt.tensors)
-    model = DeepseekV41(cfg, weights if shard is None else without_routed_experts(weights), backend.ops, hasher,
-                        experts=shard)
+    if comm is None:
+        model = DeepseekV41(cfg, weights, backend.ops, hasher)
+    else:  # its heads cut from the whole weights, its experts in `shard` when split
+        model = rank_model_v41(cfg, weights, backend.ops, hasher, comm, shard)
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                       opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead,

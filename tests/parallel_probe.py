@@ -71,3 +71,19 @@ class Probe:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class Probe41(Probe):
+    """`Probe` for a DeepSeek-V4.1 model directory: its forward passes on a cache of its own, eager."""
+
+    def logits(self, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+        """fp32 logits of each prompt's prefill rows, then of `steps` greedy decode steps, prompt by prompt (every
+        rank runs every prompt: a tensor-parallel group's forwards meet)."""
+        model, out = self.llm.model, []
+        for ids in prompts:
+            cache = model.new_cache(1, len(ids) + steps)
+            rows = [model.prefill(cache, torch.tensor(ids), 0)]
+            for _ in range(steps):
+                rows.append(model.decode(cache, rows[-1][-1:].argmax(-1), [0]))
+            out.append(torch.cat(rows))
+        return out

@@ -1,15 +1,20 @@
 """DeepSeek-V4.1 on several ranks (gloo on the CPU, deepinfer's own launcher): data-parallel 2 with the routed
 experts split (each rank reads and holds 3 of fixture `a`'s 6; the ranks' forwards meet in every MoE layer),
 with EPLB moving them, kept FP4, and not split (each rank the whole model), and data-parallel 4 with one expert
-a rank (fixture `b`) give the one-process greedy tokens; tensor parallelism is refused by name."""
+a rank (fixture `b`) give the one-process greedy tokens; tensor-parallel 2 (each rank half the heads and output
+groups, with and without the experts split) the one-process fp32 logits within 1e-5, and 2 x 2 its tokens."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deepinfer.api import LLM
 from deepinfer.errors import ConfigError
+from deepinfer.parallel.config import ParallelConfig
+from deepinfer.parallel.pool import RankPool
 from deepinfer.runtime.sampling import SamplingParams
+from tests.parallel_probe import Probe41
 from tests.v41_dirs import model_dir, quantized_model_dir
 
 PROMPTS = [{"token_ids": [5, 17, 30, 42]}, {"token_ids": [9, 8, 7]}, {"token_ids": [100, 200]}]  # vocabulary 256
@@ -68,6 +73,32 @@ def test_four_data_parallel_ranks_one_expert_each(tmp_path_factory):
     assert on_ranks(path, data_parallel_size=4, enable_expert_parallel=True)[0] == one_process(path)
 
 
-def test_tensor_parallel_is_refused_by_name(path):
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2: DeepSeek-V4.1 runs data-parallel"):
-        LLM(path, tensor_parallel_size=2)
+@pytest.mark.parametrize("split", [False, True], ids=["tp2", "tp2+ep"])
+def test_tensor_parallel_ranks_give_the_one_process_logits(path, split):
+    """Each rank holds half the heads (the query projection's rows, the sinks) and one of the two output groups;
+    the attention outputs are added over the ranks: every prefill and decode row's fp32 logits within 1e-5."""
+    ids, steps = [p["token_ids"] for p in PROMPTS], 3
+    want = Probe41(model=path, dtype="float32").logits(ids, steps)
+    kwargs = dict(model=path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=split)
+    pool = RankPool(ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=split), Probe41, kwargs)
+    try:
+        assert "tensor-parallel 2" in pool.ready[0]
+        for got, w in zip(pool.call("logits", ids, steps), want, strict=True):
+            assert got.dtype == torch.float32 and got.shape == w.shape
+            assert (got - w).abs().max().item() <= 1e-5
+    finally:
+        pool.close()
+
+
+def test_four_ranks_data_and_tensor_parallel_with_experts_split(tmp_path_factory):
+    """Fixture `b` (2 heads, 2 output groups, 4 experts) over data-parallel 2 x tensor-parallel 2 with the experts
+    split: one head and one expert a rank; the one-process greedy tokens."""
+    path = model_dir(tmp_path_factory.mktemp("v41b-tp"), "b")
+    layout = dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert on_ranks(path, **layout)[0] == one_process(path)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_by_name(path):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 must divide the model's attention heads \(4\) "
+                                          r"and output groups \(2\)"):
+        LLM(path, tensor_parallel_size=4)

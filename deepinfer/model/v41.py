@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import math
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -38,9 +37,11 @@ ENGRAM_DTYPE = torch.bfloat16  # the reference feeds the Engram projection bf16 
 
 class DeepseekV41:
     def __init__(self, cfg: V41Config, weights: V41Weights, ops: OpTable, hasher: EngramHasher | None,
-                 experts: Callable | None = None):
-        """`experts` (a `deepinfer.parallel.experts.ExpertShard`): this process is one rank of several and the
-        routed experts are split over the ranks (`weights` then holds none)."""
+                 parallel=None):
+        """`parallel` (a `deepinfer.parallel.shard.ModelParallel`): this process is one rank of several; `weights`
+        hold its attention heads (`parallel.attention_cfg`'s, whose outputs `parallel.attention_sum` adds over the
+        tensor-parallel ranks) and, when `parallel.experts` splits the routed experts over the ranks, none of
+        those."""
         if cfg.engram is not None:
             if hasher is None:
                 raise ConfigError("this V4.1 config has Engram layers: the model needs their n-gram hasher "
@@ -67,9 +68,11 @@ class DeepseekV41:
         comp = RopeTables(inv_freq(cfg.rope_compress, cfg.rope_head_dim).to(device),
                           cfg.rope_compress.attention_factor)
         self.main_rope = main  # ratio-0 layers and the DSpark blocks
-        self._ctx = [LayerContext.build(cfg, ops, i, main, comp) for i in range(cfg.num_hidden_layers)]
+        heads = cfg if parallel is None else parallel.attention_cfg  # this rank's heads and output groups
+        self._ctx = [LayerContext.build(heads, ops, i, main, comp) for i in range(cfg.num_hidden_layers)]
         self._swiglu_limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else math.inf  # 0 means no clamp
-        self.expert_shard = experts
+        self.expert_shard = None if parallel is None else parallel.experts
+        self._attention_sum = None if parallel is None else parallel.attention_sum
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,6 +158,10 @@ class DeepseekV41:
                 experts=experts)
         return ops.hc_post(h, f, post, comb), pre
 
+    def _summed(self, attention: torch.Tensor) -> torch.Tensor:
+        """The attention output summed over the tensor-parallel ranks' heads (as is on one rank)."""
+        return attention if self._attention_sum is None else self._attention_sum(attention)
+
     def idle(self) -> None:
         """A forward pass without tokens: every layer's expert exchange with the other ranks (a data-parallel rank
         with nothing to run while others step, under expert parallelism)."""
@@ -182,8 +189,8 @@ class DeepseekV41:
             if i in targets:  # DSpark reads the input streams of its target layers (after the Engram)
                 taps.append(h.mean(dim=1))
             experts = None if self.expert_shard is None else partial(self.expert_shard, i, ids)
-            h, pre = self.block(layer, h, pre, lambda a, i=i, layer=layer: attention(
-                self._ctx[i], layer, cache, chunks, a, pos, shared), cfg.num_experts_per_tok, experts)
+            h, pre = self.block(layer, h, pre, lambda a, i=i, layer=layer: self._summed(attention(
+                self._ctx[i], layer, cache, chunks, a, pos, shared)), cfg.num_experts_per_tok, experts)
         logits = self._head(h, pre, chunks, logit_rows)
         if not hidden:
             return logits

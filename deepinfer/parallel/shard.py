@@ -1,16 +1,18 @@
-"""One rank's share of a DeepSeek-V4 model: its attention heads (tensor parallelism) and routed experts (expert
-parallelism), cut from the whole model's weights, and the hooks the forward pass calls (`ModelParallel`).
+"""One rank's share of a DeepSeek-V4 or V4.1 model: its attention heads (tensor parallelism) and routed experts
+(expert parallelism), cut from the whole model's weights, and the hooks the forward pass calls (`ModelParallel`).
 
 Tensor parallelism splits each attention layer by output group: rank t of T keeps heads [t H/T, (t+1) H/T) of
-`q_b_proj` and `sinks`, groups [t G/T, (t+1) G/T) of `o_a_proj` and the matching input columns of `o_b_proj`, so
-its attention output is a partial sum over its groups that the tensor-parallel group adds up. Everything else
-(the shared KV head and its cache, compressors, indexer, mHC, norms, the shared expert, the gate) is whole on
-every rank. Block-quantized weights are cut on their scale-block grid.
+the query projection (V4 `q_b_proj`, V4.1 `wq_b`) and the sinks, groups [t G/T, (t+1) G/T) of the grouped output
+projection (`o_a_proj` / `wo_a`) and the matching input columns of the last one (`o_b_proj` / `wo_b`), so its
+attention output is a partial sum over its groups that the tensor-parallel group adds up. Everything else (the
+shared KV head and its cache, compressors, indexer, mHC, norms, the shared expert, the gate, V4.1's Engram and
+DSpark draft blocks) is whole on every rank. Block-quantized weights are cut on their scale-block grid.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,7 +33,7 @@ from tilekernels.quant import BlockQuantized
 class ModelParallel:
     """What the forward pass of one rank does differently."""
 
-    attention_cfg: ModelConfig  # this rank's heads and output groups
+    attention_cfg: ModelConfig  # this rank's heads and output groups (a V41Config for V4.1)
     attention_sum: Callable[[torch.Tensor], torch.Tensor] | None  # adds the attention output over the group
     experts: ExpertShard | None  # the routed experts over the ranks (None: all on this rank)
 
@@ -95,6 +97,34 @@ def rank_model(cfg: ModelConfig, weights: ModelWeights, ops: OpTable, comm: Comm
     return DeepseekV4(cfg, shard_weights(weights, cfg, rank), ops, hooks)
 
 
+V41_TP_CUT = re.compile(r"^layers\.\d+\.attn\.(attn_sink|wq_b\.weight|wo_a\.weight|wo_b\.weight)$")
+
+
+def rank_share_v41(cfg, rank: Rank, placement: Placement | None) -> Callable[[str], float]:
+    """`rank_share` for V4.1's checkpoint names (the backbone's routed experts and attention heads; DSpark's `mtp.*`
+    blocks stay whole)."""
+    from deepinfer.weights.v41_loader import ROUTED
+
+    tp = rank.parallel.tensor_parallel_size
+    experts = 1.0 if placement is None else placement.slots_per_rank / cfg.n_routed_experts
+    return lambda name: experts if ROUTED.match(name) else 1.0 / tp if V41_TP_CUT.match(name) else 1.0
+
+
+def rank_model_v41(cfg, weights, ops: OpTable, hasher, comm: Comm, shard: ExpertShard | None):
+    """This rank's `DeepseekV41`: its attention heads cut from the whole model's `weights` (V41Weights), its routed
+    experts in `shard` when they are split (the weights then keep none)."""
+    from deepinfer.model.v41 import DeepseekV41
+
+    rank, v41_heads = comm.rank, ("sink", "wq_b", "wo_a", "wo_b", "attn")
+    layers = tuple(dataclasses.replace(layer, attn=cut_heads(layer.attn, cfg, rank, f"layers.{i}", v41_heads))
+                   for i, layer in enumerate(weights.layers))
+    weights = dataclasses.replace(weights, layers=layers)
+    if shard is not None:
+        weights = without_routed_experts(weights)
+    tp_sum = comm.tp_sum if rank.parallel.tensor_parallel_size > 1 else None
+    return DeepseekV41(cfg, weights, ops, hasher, ModelParallel(local_config(cfg, rank), tp_sum, shard))
+
+
 def local_config(cfg: ModelConfig, rank: Rank) -> ModelConfig:
     """`cfg` with this rank's attention heads and output groups."""
     tp = rank.parallel.tensor_parallel_size
@@ -104,22 +134,31 @@ def local_config(cfg: ModelConfig, rank: Rank) -> ModelConfig:
 def shard_weights(weights: ModelWeights, cfg: ModelConfig, rank: Rank) -> ModelWeights:
     """This rank's attention heads of the whole model's `weights`, without the routed experts when they are split
     (`ExpertShard` holds this rank's)."""
-    tp, t = rank.parallel.tensor_parallel_size, rank.tp_rank
-    heads, groups = cfg.num_attention_heads // tp, cfg.o_groups // tp
+    v4_heads = ("sinks", "q_b_proj", "o_a_proj", "o_b_proj", "self_attn")
     layers = []
     for i, layer in enumerate(weights.layers):
-        a, m = layer.attn, layer.moe
-        d, r = cfg.head_dim, cfg.o_lora_rank
-        attn = a if tp == 1 else dataclasses.replace(
-            a,
-            sinks=a.sinks[t * heads:(t + 1) * heads].contiguous(),
-            q_b_proj=cut(a.q_b_proj, -2, t * heads * d, heads * d, f"layers.{i}.self_attn.q_b_proj"),
-            o_a_proj=cut(a.o_a_proj, -2, t * groups * r, groups * r, f"layers.{i}.self_attn.o_a_proj"),
-            o_b_proj=cut(a.o_b_proj, -1, t * groups * r, groups * r, f"layers.{i}.self_attn.o_b_proj"),
-        )
+        attn = cut_heads(layer.attn, cfg, rank, f"layers.{i}", v4_heads)
+        m = layer.moe
         moe = dataclasses.replace(m, gate_up=None, down=None) if rank.parallel.enable_expert_parallel else m
         layers.append(dataclasses.replace(layer, attn=attn, moe=moe))
     return dataclasses.replace(weights, layers=tuple(layers))
+
+
+def cut_heads(a, cfg, rank: Rank, layer: str, fields: tuple[str, str, str, str, str]):
+    """Attention weights `a` with this rank's heads and output groups; `fields`: the names of the sinks, the query
+    projection, the grouped and the last output projection, and of the attention module (for errors)."""
+    tp, t = rank.parallel.tensor_parallel_size, rank.tp_rank
+    if tp == 1:
+        return a
+    sink, q_b, o_a, o_b, module = fields
+    heads, groups = cfg.num_attention_heads // tp, cfg.o_groups // tp
+    d, r, name = cfg.head_dim, cfg.o_lora_rank, f"{layer}.{module}."
+    return dataclasses.replace(a, **{
+        sink: getattr(a, sink)[t * heads:(t + 1) * heads].contiguous(),
+        q_b: cut(getattr(a, q_b), -2, t * heads * d, heads * d, name + q_b),
+        o_a: cut(getattr(a, o_a), -2, t * groups * r, groups * r, name + o_a),
+        o_b: cut(getattr(a, o_b), -1, t * groups * r, groups * r, name + o_b),
+    })
 
 
 def without_routed_experts(weights):
