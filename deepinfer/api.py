@@ -98,7 +98,8 @@ class LLM:
                 raise ConfigError(f"prefix_cache={prefix_cache!r}: the prefix cache is implemented for DeepSeek-V4 "
                                   "only so far; DeepSeek-V4.1 runs without it (None or 'off')")
         if self.parallel.world > 1:
-            self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
+            self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts,
+                                      redundant=eplb.redundant_experts if eplb is not None else 0)
             if self.batch_invariant:  # the ranks' sums (NCCL picks its algorithm by message size) and EPLB's placement
                 raise ConfigError("batch_invariant (--batch-invariant) runs on one device: across ranks a token's sums "
                                   "and, with EPLB, its experts' placement depend on the other traffic; leave it off or "

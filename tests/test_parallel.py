@@ -112,6 +112,9 @@ def test_bad_sizes_are_refused_by_name():
         ParallelConfig(data_parallel_size=0)
     with pytest.raises(ConfigError, match="must divide .* 8 routed experts"):
         ParallelConfig(data_parallel_size=3, enable_expert_parallel=True).check_model(6, 3, 8)
+    with pytest.raises(ConfigError, match="must divide .* 8 routed experts \\+ 2 redundant = 10 slots"):
+        ParallelConfig(data_parallel_size=4, enable_expert_parallel=True).check_model(6, 3, 8, redundant=2)
+    ParallelConfig(data_parallel_size=4, enable_expert_parallel=True).check_model(6, 3, 6, redundant=2)  # 8 slots
     with pytest.raises(ConfigError, match="WORLD_SIZE"):
         launched_rank(ParallelConfig(tensor_parallel_size=2), {"RANK": "0", "WORLD_SIZE": "4"})
     assert launched_rank(ParallelConfig(tensor_parallel_size=2), {}) is None

@@ -102,3 +102,12 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_by_nam
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 must divide the model's attention heads \(4\) "
                                           r"and output groups \(2\)"):
         LLM(path, tensor_parallel_size=4)
+
+
+def test_eight_ranks_with_two_redundant_slots_one_slot_a_rank(path, alone):
+    """Data-parallel 4 x tensor-parallel 2 over fixture `a`'s 6 experts + 2 redundant EPLB slots: one slot a rank
+    (8 does not divide 6; the slots divide), rebalanced every 3 forwards; the one-process greedy tokens."""
+    tokens, stats = on_ranks(path, data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True,
+                             enable_eplb=True, eplb_redundant_experts=2, eplb_step_interval=3)
+    assert tokens == alone
+    assert stats.expert_rebalances >= 1

@@ -41,15 +41,17 @@ class ParallelConfig:
         """Ranks the routed experts are split over (1: every rank holds all of them)."""
         return self.world if self.enable_expert_parallel else 1
 
-    def check_model(self, heads: int, groups: int, experts: int, what: str = "the model") -> None:
-        """ConfigError when the model's widths do not split over these sizes."""
+    def check_model(self, heads: int, groups: int, experts: int, what: str = "the model", redundant: int = 0) -> None:
+        """ConfigError when the model's widths (its routed experts + `redundant` EPLB slots) do not split over these
+        sizes."""
         tp = self.tensor_parallel_size
         if heads % tp or groups % tp:
             raise ConfigError(f"tensor_parallel_size={tp} must divide {what}'s attention heads ({heads}) and output "
                               f"groups ({groups}); accepted: a common divisor of the two")
-        if experts % self.expert_ranks:
+        if (experts + redundant) % self.expert_ranks:
+            extra = f" + {redundant} redundant = {experts + redundant} slots" if redundant else ""
             raise ConfigError(f"expert parallelism over {self.expert_ranks} ranks (data_parallel_size x "
-                              f"tensor_parallel_size) must divide {what}'s {experts} routed experts")
+                              f"tensor_parallel_size) must divide {what}'s {experts} routed experts{extra}")
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ def rank_model(cfg: ModelConfig, weights: ModelWeights, ops: OpTable, comm: Comm
 
     rank = comm.rank
     p = rank.parallel
-    p.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts)
+    p.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts,
+                  redundant=eplb_cfg.redundant_experts if eplb_cfg is not None else 0)
     shard = None if placement is None else ExpertShard(ops, comm, placement, experts[0], experts[1], eplb_cfg)
     hooks = ModelParallel(local_config(cfg, rank), comm.tp_sum if p.tensor_parallel_size > 1 else None, shard)
     return DeepseekV4(cfg, shard_weights(weights, cfg, rank), ops, hooks)
