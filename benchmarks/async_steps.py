@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +55,13 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     top = max(batches)
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:  # where a slow run spends its time (stderr, as it goes)
+        print(f"async_steps: {what} at {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
     llm = deepinfer.LLM(backend="nvidia", max_num_seqs=top)
+    progress("the tiny LLM built")
     cfg = ModelConfig.from_model_dir(bench.SLICE)
     model = DeepseekV4(cfg, ModelWeights.from_tensors(cfg, random_tensors(cfg, seed=0, dtype=torch.bfloat16,
                                                                           device="cuda")), llm.backend.ops)
@@ -63,8 +70,10 @@ def main() -> None:
                        torch.bfloat16, "cuda")
     steps = V4Steps(model, cache, DecodeGraphs(model, cache, top, llm.backend.capture))
     engines = {flag: Engine(steps, cache, SchedulerConfig(top, 2048, flag), llm.grammars) for flag in (True, False)}
+    progress("the slice's weights made")
     for engine in engines.values():
         engine.capture_all()
+    progress("every decode bucket captured, both engines")
     llm.cache = cache
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "date": str(datetime.date.today()), "commit": args.commit,
@@ -92,7 +101,9 @@ def main() -> None:
             for flag, engine in engines.items():
                 llm.engine = engine
                 llm.generate(items, params, use_tqdm=False)  # warm-up: grammars compiled, buckets touched
+                progress(f"batch {batch} {label} async={flag}: warm-up generated")
                 llm.generate(items, params, use_tqdm=False)
+                progress(f"batch {batch} {label} async={flag}: measured")
                 st = llm.last_stats
                 key = "async" if flag else "sync"
                 row[f"{key}_step_ms"] = 1e3 * st.decode_seconds / max(st.decode_steps, 1)
