@@ -2,7 +2,8 @@
 experts split (each rank reads and holds 3 of fixture `a`'s 6; the ranks' forwards meet in every MoE layer),
 with EPLB moving them, kept FP4, and not split (each rank the whole model), and data-parallel 4 with one expert
 a rank (fixture `b`) give the one-process greedy tokens; tensor-parallel 2 (each rank half the heads and output
-groups, with and without the experts split) the one-process fp32 logits within 1e-5, and 2 x 2 its tokens."""
+groups, with and without the experts split) the one-process fp32 logits within 1e-5, and 2 x 2 (fixture `b`) and
+4 x 2 (6 experts + 2 redundant slots) its tokens."""
 
 from __future__ import annotations
 
@@ -59,11 +60,13 @@ def test_eplb_moves_v41_experts_between_ranks_without_changing_the_tokens(path, 
     assert stats.expert_rebalances >= 2 and 1.0 <= stats.expert_balance < 2.0
 
 
-def test_a_quantized_checkpoint_split_over_ranks_keeps_its_fp4_experts(tmp_path_factory):
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2), dict(tensor_parallel_size=2)], ids=["dp2", "tp2"])
+def test_a_quantized_checkpoint_split_over_ranks_keeps_its_fp4_experts(tmp_path_factory, layout):
     """Fixture `a` in the released layout (FP8 dense, FP4 experts), kept quantized: each rank stacks only its 3 FP4
-    experts per layer from the checkpoint's per-expert tensors; the one-process tokens."""
+    experts per layer from the checkpoint's per-expert tensors, and with tensor parallelism cuts its FP8 `wq_b`,
+    `wo_a` and `wo_b` on their 32x32 scale grid; the one-process tokens."""
     path = quantized_model_dir(tmp_path_factory.mktemp("v41q-ranks"))
-    assert on_ranks(path, data_parallel_size=2, enable_expert_parallel=True)[0] == one_process(path)
+    assert on_ranks(path, enable_expert_parallel=True, **layout)[0] == one_process(path)
 
 
 def test_four_data_parallel_ranks_one_expert_each(tmp_path_factory):

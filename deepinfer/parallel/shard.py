@@ -19,7 +19,10 @@ from typing import Callable
 import torch
 
 from deepinfer.config import ModelConfig
+from deepinfer.config_v41 import V41Config
 from deepinfer.errors import ConfigError
+from deepinfer.model.engram_hash import EngramHasher
+from deepinfer.model.v41_weights import V41Weights
 from deepinfer.model.weights import ModelWeights
 from deepinfer.parallel.comm import Comm
 from deepinfer.parallel.config import Rank
@@ -101,7 +104,7 @@ def rank_model(cfg: ModelConfig, weights: ModelWeights, ops: OpTable, comm: Comm
 V41_TP_CUT = re.compile(r"^layers\.\d+\.attn\.(attn_sink|wq_b\.weight|wo_a\.weight|wo_b\.weight)$")
 
 
-def rank_share_v41(cfg, rank: Rank, placement: Placement | None) -> Callable[[str], float]:
+def rank_share_v41(cfg: V41Config, rank: Rank, placement: Placement | None) -> Callable[[str], float]:
     """`rank_share` for V4.1's checkpoint names (the backbone's routed experts and attention heads; DSpark's `mtp.*`
     blocks stay whole)."""
     from deepinfer.weights.v41_loader import ROUTED
@@ -111,7 +114,8 @@ def rank_share_v41(cfg, rank: Rank, placement: Placement | None) -> Callable[[st
     return lambda name: experts if ROUTED.match(name) else 1.0 / tp if V41_TP_CUT.match(name) else 1.0
 
 
-def rank_model_v41(cfg, weights, ops: OpTable, hasher, comm: Comm, shard: ExpertShard | None):
+def rank_model_v41(cfg: V41Config, weights: V41Weights, ops: OpTable, hasher: EngramHasher | None, comm: Comm,
+                   shard: ExpertShard | None):
     """This rank's `DeepseekV41`: its attention heads cut from the whole model's `weights` (V41Weights), its routed
     experts in `shard` when they are split (the weights then keep none)."""
     from deepinfer.model.v41 import DeepseekV41
