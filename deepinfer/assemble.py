@@ -164,9 +164,10 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
     report = (f"memory on {device}: weights {weights_size / GIB:.2f} GiB"
               + (" (FP8/FP4 kept)" if keep and cfg.raw.get("quantization_config") else "")
               + f", cache {cache.num_bytes() / GIB:.2f} GiB{snapshots}")
-    # several ranks decode eagerly on the device until the NCCL capture has run on two GPUs (docs/parallel.md)
-    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs * (1 + ahead),
-                                               backend.capture if comm is None else None, hidden=ahead > 0))
+    # several ranks decode eagerly on the device unless DEEPINFER_PARALLEL_GRAPHS: NCCL inside graphs never ran yet
+    capture = backend.capture if comm is None or env.parallel_graphs else None
+    steps = V4Steps(model, cache, DecodeGraphs(model, cache, opts.max_num_seqs * (1 + ahead), capture,
+                                               hidden=ahead > 0))
     if comm is not None and comm.lockstep:
         from deepinfer.parallel.lockstep import LockstepSteps
 

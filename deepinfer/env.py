@@ -25,6 +25,7 @@ class Env:
     nextn_decode: int | None = None  # DEEPINFER_USE_NEXTN_DECODE: draft tokens per step (unset: 5 with a drafter)
     mtp_varlen: bool = False  # DEEPINFER_ENABLE_MTP_VARLEN: confidence-sized verification of the drafts
     second_stream: bool = True  # DEEPINFER_SECOND_STREAM: 0 = a decode step on one stream (no side branches)
+    parallel_graphs: bool = False  # DEEPINFER_PARALLEL_GRAPHS: 1 = DeepSeek-V4's ranks decode through CUDA graphs
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -65,10 +66,15 @@ class Env:
         if raw_second.strip().lower() not in _FLAGS:
             raise ConfigError(f"DEEPINFER_SECOND_STREAM={raw_second!r} is not valid; accepted: {', '.join(_FLAGS)} "
                               "(unset or empty: on where the target has one)")
+        raw_graphs = environ.get("DEEPINFER_PARALLEL_GRAPHS") or "0"
+        if raw_graphs.strip().lower() not in _FLAGS:
+            raise ConfigError(f"DEEPINFER_PARALLEL_GRAPHS={raw_graphs!r} is not valid; accepted: {', '.join(_FLAGS)} "
+                              "(unset or empty: off, several ranks decode eagerly)")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
                    cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant],
                    swa_replay_tokens=replay, nextn_decode=nextn, mtp_varlen=_FLAGS[raw_varlen.strip().lower()],
-                   second_stream=_FLAGS[raw_second.strip().lower()])
+                   second_stream=_FLAGS[raw_second.strip().lower()],
+                   parallel_graphs=_FLAGS[raw_graphs.strip().lower()])
 
 
 def check_writable_dir(path: Path, what: str) -> None:

@@ -20,22 +20,26 @@ class Probe:
     def describe(self) -> str:
         return self.llm.describe()
 
-    def logits(self, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    def logits(self, prompts: list[list[int]], steps: int, forced: list[list[int]] | None = None,
+               captured: bool = False) -> list[torch.Tensor]:
         """fp32 logits of each prompt's prefill rows, then of `steps` greedy decode steps, prompt by prompt. On
-        several ranks, data-parallel rank d runs prompts d, d + dp, ... (as many on every rank: the forwards meet)."""
+        several ranks, data-parallel rank d runs prompts d, d + dp, ... (as many on every rank: the forwards meet).
+        `forced`: the token each decode step feeds, per prompt (default: the step's own greedy token); `captured`:
+        decode through graphs captured by the backend (CUDA graphs on the GPU; not with lockstep ranks)."""
         llm = self.llm
         comm = llm._comm
         dp, d = (comm.dp, comm.rank.dp_rank) if comm is not None else (1, 0)
         mine = prompts[d::dp]
+        feeds = forced[d::dp] if forced is not None else [None] * len(mine)
         out = []
-        for ids in mine:
+        for ids, feed in zip(mine, feeds):
             seq = llm.cache.admit()
             llm.cache.grow(seq, len(ids))
             rows = [llm.model.prefill(llm.cache, torch.tensor(ids), torch.arange(len(ids)), [(seq, 0, len(ids))])]
-            graphs = DecodeGraphs(llm.model, llm.cache, 1, None)
-            for _ in range(steps):
+            graphs = DecodeGraphs(llm.model, llm.cache, 1, llm.backend.capture if captured else None)
+            for s in range(steps):
                 llm.cache.grow(seq, seq.num_tokens + 1)
-                token = int(rows[-1][-1].argmax())
+                token = feed[s] if feed is not None else int(rows[-1][-1].argmax())
                 rows.append(graphs.run([token], [seq.num_tokens], [seq]))
                 seq.num_tokens += 1
             llm.cache.release(seq)

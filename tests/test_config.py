@@ -72,3 +72,9 @@ def test_env_second_stream_is_validated():
     assert Env.read({}).second_stream and not Env.read({"DEEPINFER_SECOND_STREAM": "off"}).second_stream
     with pytest.raises(ConfigError, match="DEEPINFER_SECOND_STREAM='2' is not valid; accepted: 0, 1, false, true"):
         Env.read({"DEEPINFER_SECOND_STREAM": "2"})
+
+
+def test_env_parallel_graphs_is_validated():
+    assert not Env.read({}).parallel_graphs and Env.read({"DEEPINFER_PARALLEL_GRAPHS": "1"}).parallel_graphs
+    with pytest.raises(ConfigError, match="DEEPINFER_PARALLEL_GRAPHS='yes' is not valid; accepted: 0, 1, false, true"):
+        Env.read({"DEEPINFER_PARALLEL_GRAPHS": "yes"})
