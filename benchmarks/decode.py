@@ -38,6 +38,13 @@ SLICE = ROOT / "benchmarks" / "configs" / "v4-flash-slice"
 def floor_bytes(cfg, specs, batch: int, context: int, quantization=None) -> int:
     """Bytes a decode step must read; with a `quantization` config, FP8 projections at 1 byte per value and FP4
     experts at 0.5 (plus their scales)."""
+    dense, experts, per_seq = floor_parts(cfg, specs, batch, context, quantization)
+    return int(dense + experts + batch * per_seq)
+
+
+def floor_parts(cfg, specs, batch: int, context: int, quantization=None) -> tuple[float, float, float]:
+    """`floor_bytes`' parts: (every dense weight, the routed experts `batch` tokens touch, each sequence's cache
+    rows and hidden state)."""
     from deepinfer.config import CSA, HCA, SLIDING
     from deepinfer.weights.quant import checkpoint_format
 
@@ -64,7 +71,7 @@ def floor_bytes(cfg, specs, batch: int, context: int, quantization=None) -> int:
             rows += context // cfg.compress_rate_hca
         assert kind in (SLIDING, CSA, HCA)
         kv += rows * d * 2
-    return int(dense + experts + batch * (kv + h * 2))
+    return dense, experts, kv + h * 2
 
 
 def nbytes(t) -> int:

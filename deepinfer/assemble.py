@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import backends
 from deepinfer.config import ModelConfig
 from deepinfer.config_v41 import V41Config
 from deepinfer.env import Env, check_writable_dir
+from deepinfer.compile.ready import ready_kernels
 from deepinfer.errors import ConfigError
 from deepinfer.options import cache_spec, draft_graph_bytes, fit_check, host_memory, tiny_weight_bytes
 from deepinfer.runtime.backend import Backend
@@ -28,7 +28,6 @@ from deepinfer.runtime.steps import ModelSteps
 log = logging.getLogger("deepinfer")
 GIB = 2**30
 V41_BACKENDS = ("reference", "c", "sm90")  # where V4.1 has run; `cpu` names the first
-LOAD_JOBS = 1  # threads loading the plan's kernels at start (benchmarks/startup.py measures the choice)
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ def assemble_v4(cfg: ModelConfig, model_dir: Path | None, backend: Backend, dtyp
         model = rank_model(cfg, weights, backend.ops, comm, placement, experts, eplb)
     del tensors, weights
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {device}")
-    ready_kernels(backend, cfg, dtype, env, opts, clock)
+    ready_kernels(backend, cfg, dtype, env, opts, clock, comm, eplb)
     ahead = opts.lookahead if model.weights.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
     drafts = min(opts.draft_layers, model.weights.draft_layers)
     cache = PagedCache(cfg, cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len,
@@ -278,7 +277,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     if backend.kernel_target is not None:
         check_writable_dir(env.cache_dir, "the kernel cache (DEEPINFER_CACHE_DIR)")
     clock = Phases()
-    ready_kernels(backend, cfg, dtype, env, opts, clock)  # before the weights: a kernel that fails stops the run early
+    ready_kernels(backend, cfg, dtype, env, opts, clock, comm, eplb)  # before the weights: a failing kernel stops early
     bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
     ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep,
                     progress=None if bar is None else bar.update,
@@ -326,69 +325,6 @@ class Phases:
         now = time.perf_counter()
         log.info("deepinfer: start-up: %s %.2f s%s", name, now - self.last, f" ({note})" if note else "")
         self.last = now
-
-
-def ready_kernels(backend: Backend, cfg: ModelConfig | V41Config, dtype: torch.dtype, env: Env, opts: EngineOptions,
-                  clock: Phases) -> None:
-    """On a kernel backend: build the kernels of the model's plan that the target's manifest lacks (with progress,
-    into the same cache), then load every kernel of the plan into the backend's launcher, so that the first
-    request loads none. Nothing on the reference backend."""
-    if backend.kernel_target is None:
-        return
-    from codegen.driver import unlisted
-    from deepinfer.compile.prebuild import build_missing
-
-    target = backend.kernel_target
-    plan = model_plan(cfg, str(dtype).removeprefix("torch."), opts.quantization == "auto", env.cache_dir / target,
-                      opts.batch_invariant)
-    missing = unlisted(env.cache_dir / target, plan)
-    build_missing(target, missing, env.cache_dir, opts.show_progress)
-    clock.done("kernel build check", f"{len(plan)} kernels in the plan, {len(missing)} built now")
-    if backend.launcher is None:
-        return
-    jobs = min(LOAD_JOBS, os.cpu_count() or 1)
-    bar = progress_bar(opts.show_progress, "loading kernels", total=len(plan), unit="kernel")
-    try:
-        loaded = backend.launcher.preload(plan, jobs, on_loaded=None if bar is None else bar.update)
-    finally:
-        if bar is not None:
-            bar.close()
-    clock.done("kernel load", f"{loaded} kernels, {jobs} thread(s)")
-
-
-def model_plan(cfg: ModelConfig | V41Config, dtype: str, quantized: bool, root: Path,
-               invariant: bool = False) -> list[tuple]:
-    """The model's kernel plan (`deepinfer.compile.plan.kernel_plan`: a trace of the model on meta tensors, seconds
-    on a large config), kept under `root/plans/` keyed by all it derives from: the config, dtype, quantization,
-    torch's version and the source of deepinfer and tilekernels (any edit there traces it anew)."""
-    import hashlib
-    import json
-    import pickle
-
-    import deepinfer
-    import tilekernels
-    from deepinfer.compile.plan import kernel_plan
-
-    digest = hashlib.sha256(json.dumps([cfg.raw, dtype, quantized, invariant, torch.__version__], sort_keys=True,
-                                       default=str).encode())
-    for package in (deepinfer, tilekernels):
-        base = Path(package.__file__).parent
-        for source in sorted(base.rglob("*.py")):
-            digest.update(f"{package.__name__}/{source.relative_to(base)}".encode())
-            digest.update(source.read_bytes())
-    path = root / "plans" / f"{digest.hexdigest()[:32]}.pickle"
-    try:  # the kernel cache is trusted as much as the libraries it holds, which are loaded into this process
-        return pickle.loads(path.read_bytes())
-    except FileNotFoundError:
-        pass
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError) as exc:
-        log.info("deepinfer: kernel plan %s unreadable (%s): tracing the model again", path, exc)
-    plan = kernel_plan(cfg, dtype, quantized, invariant)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(pickle.dumps(plan))
-    os.replace(tmp, path)  # atomic: a concurrent start reads the old file or the whole new one
-    return plan
 
 
 def progress_bar(enabled: bool, desc: str, total: int | None = None, unit: str | None = None):

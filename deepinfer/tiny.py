@@ -7,7 +7,7 @@ Its output is meaningless text: it exists so that the engine runs end to end wit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -59,17 +59,21 @@ def random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
 
 
 def iter_random_tensors(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+                        device: torch.device | str = "cpu",
+                        rows: Callable[[str], int | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """`random_tensors` one (name, tensor) at a time, the same values in the same order: a consumer that converts
-    each tensor (the quantized slice on an 80 GB GPU) never holds the whole set in full precision."""
+    each tensor (the quantized slice on an 80 GB GPU) never holds the whole set in full precision. `rows(name)`:
+    a first dimension to make instead of the tensor's own (None: its own; a rank of several GPUs makes only its
+    slots' experts; the values then differ from the whole model's)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, spec in {**tensor_specs(cfg), **mtp_tensor_specs(cfg)}.items():
+        shape = spec.shape if rows is None or rows(name) is None else (rows(name), *spec.shape[1:])
         if spec.kind == INT:
-            yield name, torch.randint(0, cfg.n_routed_experts, spec.shape, generator=gen, device=device)
+            yield name, torch.randint(0, cfg.n_routed_experts, shape, generator=gen, device=device)
             continue
         leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
         target = torch.float32 if spec.kind == FP32 else dtype
-        t = torch.randn(spec.shape, generator=gen, device=device, dtype=target)
+        t = torch.randn(shape, generator=gen, device=device, dtype=target)
         if spec.kind == FP32 and (name.endswith("norm.weight") or leaf in ("input_layernorm", "post_attention_layernorm")):
             t = 1.0 + 0.1 * t
         elif leaf in ("scale", "hc_scale"):

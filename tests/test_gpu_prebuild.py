@@ -59,3 +59,11 @@ def test_the_gemm_tag_plans_what_the_gemm_tests_launch():
     assert any(v.narrow for v in fp8) and any(v.split_k > 1 for v in fp8) and any(v.groups == 8 for v in fp8)
     assert {v.block for v in fp8} == {(128, 128), (32, 32)} and {v.ue8m0 for v in fp8} == {True, False}
     assert any(op == "act_quant" for op, _, _ in items)
+
+
+def test_the_ranks_tag_plans_each_parallel_gpu_tests_layout():
+    """`ranks`: the rank plans of `tests/gpu/test_parallel_gpu.py`'s layouts on TINY_A (8 experts): 4 expert slots a
+    rank where the experts are split, all 8 where not, half the query heads with tensor parallelism."""
+    items = items_for("ranks")
+    assert {v.experts for op, _, v in items if op == "moe_experts" and hasattr(v, "experts")} == {4, 8}
+    assert {v.heads for op, _, v in items if op == "rope" and v.norm} == {2, 4}

@@ -133,7 +133,7 @@ def test_llm_on_a_kernel_backend_loads_the_whole_plan_before_any_request(monkeyp
 
 def test_the_plan_is_traced_once_per_config_and_kept_in_the_kernel_cache(tmp_path, monkeypatch, plan):
     import deepinfer.compile.plan as plan_module
-    from deepinfer.assemble import model_plan
+    from deepinfer.compile.ready import model_plan
     from deepinfer.tiny import tiny_config
 
     traced = []

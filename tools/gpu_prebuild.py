@@ -8,7 +8,9 @@ Tags: `default` (the embedded tiny model, both modes), `tiny` (the test configs 
 modes), `tinyq` (TINY_A with FP8/FP4 weights kept), `v41` (the V4.1 fixtures, fixture a quantized too), `slice` (the
 V4-Flash slice, bf16), `slice-invariant` (its batch-invariant variants), `qslice` (the slice quantized), `kernels`
 (what `tests/gpu/test_kernels_gpu.py` launches: every V4-Flash op at its widths, recorded on meta tensors), `bench`
-(what `benchmarks/kernels.py` launches at its default token counts, recorded the same way). Jobs:
+(what `benchmarks/kernels.py` launches at its default token counts, recorded the same way), `ranks` (one rank's
+plan of each layout `tests/gpu/test_parallel_gpu.py` runs on TINY_A), `flash-epN` (one rank's plan of the whole
+V4-Flash in native precision over N GPUs, as `benchmarks/parallel_decode.py --ranks N` runs it). Jobs:
 min(16, cores); the cache is `DEEPINFER_CACHE_DIR`'s.
 
 It also runs on a machine without a GPU (nvcc builds the same libraries): build there, carry the cache compressed
@@ -22,8 +24,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels", "bench", "gemm")
+ROOT = Path(__file__).resolve().parents[1]
+
+TAGS = ("default", "tiny", "tinyq", "v41", "slice", "slice-invariant", "qslice", "kernels", "bench", "gemm", "ranks",
+        "flash-ep2", "flash-ep4", "flash-ep8")
 
 
 def kernel_test_items() -> list[tuple]:
@@ -131,6 +137,22 @@ def items_for(tag: str) -> list[tuple]:
         return kernel_bench_items()
     if tag == "gemm":
         return gemm_test_items()
+    if tag == "ranks":
+        from deepinfer.parallel.config import ParallelConfig
+        from tests.gpu.test_parallel_gpu import LAYOUTS
+        from tests.helpers import TINY_A
+
+        cfg = ModelConfig.from_dict(TINY_A)
+        return [i for layout in LAYOUTS.values() for i in kernel_plan(cfg, "bfloat16", None, False,
+                                                                      (ParallelConfig(**layout), 0))]
+    if tag.startswith("flash-ep") and tag in TAGS:
+        from deepinfer.parallel.config import ParallelConfig
+        from deepinfer.weights.synthetic import with_quantization
+
+        cfg = with_quantization(ModelConfig.from_dict(json.loads((ROOT / "benchmarks/configs/v4-flash.json")
+                                                                 .read_text())))
+        ranks = int(tag.removeprefix("flash-ep"))
+        return kernel_plan(cfg, "bfloat16", None, False, (ParallelConfig(ranks, 1, True), 0))
     if tag in ("slice", "slice-invariant", "qslice"):
         from benchmarks.decode import SLICE
 

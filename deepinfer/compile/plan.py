@@ -25,11 +25,12 @@ def sample_rows() -> tuple[int, ...]:
 
 
 def kernel_plan(cfg: ModelConfig | V41Config, dtype: str = "bfloat16", quantized: bool | None = None,
-                invariant: bool = False) -> list[Item]:
+                invariant: bool = False, ranks: tuple | None = None) -> list[Item]:
     """Every (op, kernel, variant) the forward passes of `cfg` (DeepSeek-V4 or V4.1) launch, without duplicates,
     in launch order. `quantized`: the checkpoint's FP8/FP4 tensors stay quantized (None: whenever the config
     declares a `quantization_config`, as `--quantization auto` loads them). `invariant`: the batch-invariant
-    variants (`--batch-invariant`), DeepSeek-V4 only."""
+    variants (`--batch-invariant`), DeepSeek-V4 only. `ranks` (a `ParallelConfig` and the EPLB redundant slots):
+    what one rank of that layout launches (`plan_ranks`)."""
     from deepinfer.compile.plan_v41 import trace_v41
     from deepinfer.errors import ConfigError
     from tilekernels.kernels import Recorder
@@ -37,7 +38,11 @@ def kernel_plan(cfg: ModelConfig | V41Config, dtype: str = "bfloat16", quantized
     recorder = Recorder(invariant)
     if isinstance(cfg, V41Config) and invariant:
         raise ConfigError("batch invariance is implemented for DeepSeek-V4 models; this config is DeepSeek-V4.1")
-    if isinstance(cfg, V41Config):
+    if ranks is not None and ranks[0].world > 1:
+        from deepinfer.compile.plan_ranks import trace_rank
+
+        trace_rank(cfg, dtype, recorder, sample_rows(), quantized, *ranks)
+    elif isinstance(cfg, V41Config):
         trace_v41(cfg, torch_dtype(dtype), recorder, sample_rows(), quantized=quantized)
     else:
         trace(cfg, dtype, recorder, sample_rows(), quantized=quantized)
@@ -51,11 +56,12 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 
 def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context: int = 1024,
-          quantized: bool | None = None) -> None:
+          quantized: bool | None = None, model=None) -> None:
     """Run, on meta tensors, a prefill of n tokens and a decode step of n sequences (each `context` positions
     deep) for every n in `rows`, launching kernels through `launcher`; with MTP layers in the config, the first
     one's pass over the n prefilled rows too (speculative decoding's drafter); with DSpark, its read of the n
-    rows and a draft pass for n requests."""
+    rows and a draft pass for n requests. `model`: a meta model of `cfg` over `launcher`'s table to run instead
+    of the whole one (one rank's: no drafters, speculative decoding runs on one device)."""
     from deepinfer.model.decode import DecodeInputs
     from deepinfer.model.model import DeepseekV4
     from deepinfer.model.dspark import DSparkDrafter
@@ -63,9 +69,11 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
     from deepinfer.runtime.cache import CacheSpec, PagedCache
     from tilekernels.kernels import table
 
-    model = DeepseekV4(cfg, meta_weights(cfg, torch_dtype(dtype), quantized), table(launcher))
-    drafter = MTPDrafter(model) if model.weights.mtp else None
-    dspark = DSparkDrafter(model) if model.weights.dspark is not None else None
+    whole = model is None
+    if whole:
+        model = DeepseekV4(cfg, meta_weights(cfg, torch_dtype(dtype), quantized), table(launcher))
+    drafter = MTPDrafter(model) if whole and model.weights.mtp else None
+    dspark = DSparkDrafter(model) if whole and model.weights.dspark is not None else None
     for n in rows:
         per_seq = -(-max(n, context + 1) // 128)
         cache = PagedCache(cfg, CacheSpec(num_blocks=n * per_seq, max_seqs=n, max_blocks_per_seq=per_seq,
@@ -96,16 +104,22 @@ def trace(cfg: ModelConfig, dtype: str, launcher, rows: tuple[int, ...], context
 def meta_weights(cfg: ModelConfig, dtype: torch.dtype, quantized: bool | None = None):
     """The model's weights as meta tensors of their real shapes and dtypes; with `quantized` (None: when the
     config declares a `quantization_config`) the checkpoint's FP8/FP4 tensors as block-quantized meta weights."""
-    from deepinfer.model.weights import FP32, INT, ModelWeights, mtp_tensor_specs, tensor_specs
+    from deepinfer.model.weights import ModelWeights
+
+    return ModelWeights.from_tensors(cfg, meta_tensors(cfg, dtype, quantized))
+
+
+def meta_tensors(cfg: ModelConfig, dtype: torch.dtype, quantized: bool | None = None) -> dict:
+    """`meta_weights`' tensors by canonical name, before they are packed."""
+    from deepinfer.model.weights import FP32, INT, mtp_tensor_specs, tensor_specs
     from deepinfer.weights.quant import checkpoint_format
 
     qc = cfg.raw.get("quantization_config")
     if quantized is False:
         qc = None
     kinds = {FP32: torch.float32, INT: torch.long}
-    return ModelWeights.from_tensors(cfg, {name: meta_weight(spec.shape, checkpoint_format(name, qc),
-                                                             kinds.get(spec.kind, dtype))
-                                          for name, spec in {**tensor_specs(cfg), **mtp_tensor_specs(cfg)}.items()})
+    return {name: meta_weight(spec.shape, checkpoint_format(name, qc), kinds.get(spec.kind, dtype))
+            for name, spec in {**tensor_specs(cfg), **mtp_tensor_specs(cfg)}.items()}
 
 
 def meta_weight(shape: tuple[int, ...], fmt: tuple | None, dtype: torch.dtype):

@@ -14,7 +14,9 @@ META = torch.device("meta")
 
 
 def trace_v41(cfg: V41Config, dtype: torch.dtype, launcher, rows: tuple[int, ...], context: int = 1024,
-              quantized: bool | None = None) -> None:
+              quantized: bool | None = None, model=None) -> None:
+    """`model`: a meta model of `cfg` over `launcher`'s table to run instead of the whole one (one rank's: no
+    drafter, speculative decoding runs on one device)."""
     from deepinfer.model.v41 import DeepseekV41
     from deepinfer.model.v41_cache import V41Cache
     from deepinfer.model.v41_compress import Chunk
@@ -22,8 +24,10 @@ def trace_v41(cfg: V41Config, dtype: torch.dtype, launcher, rows: tuple[int, ...
     from deepinfer.runtime.blocks import SeqCache
     from tilekernels.kernels import table
 
-    model = DeepseekV41(cfg, meta_weights_v41(cfg, dtype, quantized), table(launcher), stand_in_hasher(cfg))
-    drafter = V41DSparkDrafter(model) if model.weights.dspark is not None else None
+    whole = model is None
+    if whole:
+        model = DeepseekV41(cfg, meta_weights_v41(cfg, dtype, quantized), table(launcher), stand_in_hasher(cfg))
+    drafter = V41DSparkDrafter(model) if whole and model.weights.dspark is not None else None
     for n in rows:  # a prefill of n tokens: the row-wise ops (projections, MoE, mHC, head) at n rows, as a decode
         cache = V41Cache.empty(cfg, 1, max(n, context + 1), dtype, META,  # batch of n sequences runs them
                                draft_layers=model.weights.draft_layers)
@@ -59,12 +63,18 @@ def meta_weights_v41(cfg: V41Config, dtype: torch.dtype, quantized: bool | None 
     """The V4.1 weights as meta tensors of their real shapes and dtypes, as the loader hands them over: the
     Engram tables FP8 always; with `quantized` (None: as True, as `--quantization auto` loads the checkpoint) the
     FP8 / FP4 tensors the config's `quantization_config` declares as block-quantized meta weights."""
+    from deepinfer.model.v41_weights import V41Weights
+
+    return V41Weights.from_tensors(cfg, meta_tensors_v41(cfg, dtype, quantized))
+
+
+def meta_tensors_v41(cfg: V41Config, dtype: torch.dtype, quantized: bool | None = None) -> dict:
+    """`meta_weights_v41`' tensors by checkpoint name, before they are packed."""
     from deepinfer.compile.plan import meta_weight
-    from deepinfer.model.v41_weights import V41Weights, tensor_specs
+    from deepinfer.model.v41_weights import tensor_specs
     from deepinfer.model.weights import FP32
     from deepinfer.weights.v41_formats import loaded_format_v41
 
     keep = quantized is not False  # without a quantization_config nothing but the tables is quantized anyway
-    return V41Weights.from_tensors(cfg, {
-        name: meta_weight(spec.shape, loaded_format_v41(name, cfg, keep), torch.float32 if spec.kind == FP32 else dtype)
-        for name, spec in tensor_specs(cfg).items()})
+    return {name: meta_weight(spec.shape, loaded_format_v41(name, cfg, keep), torch.float32 if spec.kind == FP32
+                              else dtype) for name, spec in tensor_specs(cfg).items()}
