@@ -497,6 +497,8 @@ COMPILE_CASES = [
     (["--target", "c", "--ops", "foo,linear"], 1, "['foo']"),
     (["--target", "c", "--dtype", "fp8"], 2, "'fp8'"),
     (["--target", "cpu"], 2, "'cpu'"),
+    (["--target", "c", "--tensor-parallel-size", "3"], 1, "tensor_parallel_size=3 must divide"),
+    (["--target", "c", "--eplb-redundant-experts", "2"], 1, "--eplb-redundant-experts needs --enable-expert-parallel"),
 ]
 
 

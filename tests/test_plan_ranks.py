@@ -57,3 +57,19 @@ def test_a_v41_rank_plans_its_heads_and_slots():
     assert experts_of(whole) == {6} and experts_of(rank) == {3}
     heads = lambda plan: {v.heads for op, _, v in plan if op == "rope" and v.dim == cfg.head_dim}  # noqa: E731
     assert max(heads(whole)) == 4 and max(heads(rank)) == 2  # the query's (the shared K=V head's is 1)
+
+
+def test_compile_builds_one_ranks_plan_with_the_layout_flags(tmp_path, monkeypatch):
+    """`deepinfer compile --tensor-parallel-size 2 --enable-expert-parallel`: what one rank builds at start (the
+    builder stubbed: the items it is handed)."""
+    from click.testing import CliRunner
+
+    import deepinfer.compile.prebuild as prebuild
+    from deepinfer.cli import main
+
+    handed = []
+    monkeypatch.setattr(prebuild, "build_kernels", lambda target, items, out, jobs: handed.extend(items) or [])
+    result = CliRunner().invoke(main, ["compile", "--target", "c", "--out", str(tmp_path), "--tensor-parallel-size",
+                                       "2", "--enable-expert-parallel"])
+    assert result.exit_code == 0, result.output
+    assert "one rank of 2" in result.output and experts_of(handed) == {4}  # the tiny default model's 8 over 2 ranks

@@ -28,7 +28,15 @@ TARGETS = backends.COMPILE_TARGETS
                    "`run --quantization auto` loads it; none: the kernels of its dequantized weights.")
 @click.option("--batch-invariant/--no-batch-invariant", default=False, show_default=True,
               help="The batch-invariant variants, as `run --batch-invariant` launches them (DeepSeek-V4).")
-def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization, batch_invariant) -> None:
+@click.option("--data-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --tensor-parallel-size / --enable-expert-parallel: the kernels one rank of that layout "
+                   "launches (its heads, its expert slots), as `run` with those flags builds them at start.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--enable-expert-parallel", is_flag=True, default=False)
+@click.option("--eplb-redundant-experts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="EPLB's redundant expert slots (with --enable-expert-parallel; they change a rank's slot count).")
+def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization, batch_invariant, data_parallel_size,
+                tensor_parallel_size, enable_expert_parallel, eplb_redundant_experts) -> None:
     """Lower and build the kernels a model needs for one target, into the artifact cache + manifest."""
     from deepinfer.env import Env
     from deepinfer.errors import DeepInferError
@@ -38,14 +46,26 @@ def compile_cmd(target, model_dir, out_dir, jobs, ops, dtype, quantization, batc
     except backends.BackendError as exc:
         raise click.BadParameter(str(exc), param_hint="--target") from exc
     try:
+        ranks = _ranks(data_parallel_size, tensor_parallel_size, enable_expert_parallel, eplb_redundant_experts)
         _compile(target, model_dir, Path(out_dir) if out_dir else Env.read().cache_dir, jobs, ops, dtype,
-                 quantization == "auto", batch_invariant)
+                 quantization == "auto", batch_invariant, ranks)
     except DeepInferError as exc:
         raise click.ClickException(str(exc)) from exc
 
 
+def _ranks(dp: int, tp: int, ep: bool, redundant: int):
+    """(ParallelConfig, redundant slots) of a layout of several ranks; None for one process."""
+    from deepinfer.errors import ConfigError
+    from deepinfer.parallel.config import ParallelConfig
+
+    parallel = ParallelConfig(dp, tp, ep)
+    if redundant and not (ep and parallel.world > 1):
+        raise ConfigError("--eplb-redundant-experts needs --enable-expert-parallel over several ranks")
+    return (parallel, redundant) if parallel.world > 1 else None
+
+
 def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized: bool = True,
-             invariant: bool = False) -> None:
+             invariant: bool = False, ranks: tuple | None = None) -> None:
     from deepinfer.config_v41 import read_config
     from deepinfer.errors import ConfigError
     from deepinfer.compile.plan import kernel_plan
@@ -56,7 +76,9 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized:
     cfg = read_config(model_dir) if model_dir else tiny_config()  # DeepSeek-V4 or V4.1
     check_writable_dir(out_dir, "--out")
     dtype = backends.get(target).default_dtype if dtype == "auto" else dtype
-    items = kernel_plan(cfg, dtype, None if quantized else False, invariant)
+    if ranks is not None:
+        ranks[0].check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts, redundant=ranks[1])
+    items = kernel_plan(cfg, dtype, None if quantized else False, invariant, ranks)
     if ops:
         wanted = [o.strip() for o in ops.split(",") if o.strip()]
         known = sorted({op for op, _, _ in items})
@@ -65,8 +87,9 @@ def _compile(target: str, model_dir, out_dir: Path, jobs, ops, dtype, quantized:
             raise ConfigError(f"--ops: unknown op(s) {unknown}; this model's kernel ops are: {', '.join(known)}")
         items = [it for it in items if it[0] in wanted]
     jobs = jobs or min(8, os.cpu_count() or 1)
+    layout = "" if ranks is None else f", one rank of {ranks[0].world}"
     click.echo(f"deepinfer compile: {len(items)} kernel(s) for {target} ({model_dir or 'tiny default model'}, "
-               f"{dtype}) into {out_dir}, {jobs} job(s)", err=True)
+               f"{dtype}{layout}) into {out_dir}, {jobs} job(s)", err=True)
     start = time.perf_counter()
     results = build_kernels(target, items, out_dir, jobs)
     counts = {s: sum(r.status == s for r in results) for s in ("built", "cached", "failed")}
