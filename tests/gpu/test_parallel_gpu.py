@@ -1,7 +1,8 @@
-"""Several GPUs (NCCL, deepinfer's own launcher, one process per GPU): data-parallel 2, tensor-parallel 2 and
-expert-parallel 2 on a tiny model against one GPU, eager and through decode graphs with the NCCL collectives
-captured inside (`DEEPINFER_PARALLEL_GRAPHS=1`). Needs two GPUs (`nvidia-h200-x2`); run with `pytest -m gpu` on
-such a host. Not yet run: no machine with two GPUs has been lent (docs/parallel.md).
+"""Several GPUs (NCCL, deepinfer's own launcher, one process per GPU): data-parallel, tensor-parallel and
+expert-parallel layouts on a tiny model against one GPU, eager and through decode graphs with the NCCL collectives
+captured inside (`DEEPINFER_PARALLEL_GRAPHS=1`): at 2 ranks, and at 4 and 8 where the host has that many GPUs
+(`nvidia-h200-x2`, `-x4`, `-x8`; a layout needing more GPUs than the host has is skipped). Run with `pytest -m gpu`
+on such a host. Not yet run: no machine with several GPUs has been lent (docs/parallel.md).
 
 Tolerance: the ranks' logits against one GPU's, both bf16, every row forced along the fp32 reference's greedy
 tokens; the bound is twice the one-GPU run's own distance from the fp32 reference on the same rows (bf16 rounding:
@@ -24,14 +25,19 @@ from tests.parallel_probe import SIZES, Probe
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the parallel GPU tests need two GPUs")]
-PROMPTS = [[5, 17, 300, 42, 9, 77], [100, 7, 7, 65, 3]]  # one a data-parallel rank
+PROMPTS = [[5, 17, 300, 42, 9, 77], [100, 7, 7, 65, 3]]  # one a data-parallel rank (with those below, up to 8)
 STEPS = 6
-LAYOUTS = {
+LAYOUTS = {  # TINY_A: 4 heads, 2 output groups, 8 routed experts
     "dp2": dict(data_parallel_size=2),
     "dp2+ep": dict(data_parallel_size=2, enable_expert_parallel=True),
     "tp2": dict(tensor_parallel_size=2),
     "tp2+ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "dp4+ep": dict(data_parallel_size=4, enable_expert_parallel=True),
+    "dp2xtp2+ep": dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
+    "dp8+ep": dict(data_parallel_size=8, enable_expert_parallel=True),  # one expert a rank
+    "dp4xtp2+ep": dict(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True),
 }
+PROMPTS += [[11, 12, 13], [400, 2, 99, 7, 1, 1, 5], [8, 9], [300, 301, 302, 303], [42], [7, 6, 5, 4, 3, 2]]  # 8
 
 
 class GpuProbe(Probe):
@@ -73,7 +79,10 @@ def one_gpu(model, reference, cuda):
 
 
 def on_ranks(model, layout: dict, method: str, *args):
-    pool = RankPool(ParallelConfig(**layout), GpuProbe, dict(model=model, **layout))
+    parallel = ParallelConfig(**layout)
+    if parallel.world > torch.cuda.device_count():
+        pytest.skip(f"{parallel.world} ranks need {parallel.world} GPUs; this host has {torch.cuda.device_count()}")
+    pool = RankPool(parallel, GpuProbe, dict(model=model, **layout))
     try:
         return pool.call(method, *args)
     finally:
@@ -94,13 +103,14 @@ def test_two_gpus_give_one_gpus_logits(model, reference, one_gpu, layout, captur
         assert (g - w).abs().max().item() <= 2 * bound
 
 
-@pytest.mark.parametrize("layout", ["dp2+ep", "tp2+ep"])
-def test_engine_decode_graphs_on_two_gpus_equal_eager_decode(model, monkeypatch, layout):
+@pytest.mark.parametrize("layout", ["dp2+ep", "tp2+ep", "dp2xtp2+ep", "dp4xtp2+ep"])
+def test_engine_decode_graphs_on_the_ranks_equal_eager_decode(model, monkeypatch, layout):
     """`DEEPINFER_PARALLEL_GRAPHS=1`: the engine captures every decode bucket on every rank (the lockstep's static
     rows, the expert exchange inside) and generates the tokens the same ranks generate decoding eagerly (one
     prompt a data-parallel rank: the same rows either way, so the same sums)."""
-    params = [SamplingParams(temperature=0, max_new_tokens=STEPS, ignore_eos=True) for _ in PROMPTS]
-    prompts = [{"token_ids": p} for p in PROMPTS]
+    dp = LAYOUTS[layout].get("data_parallel_size", 1)
+    params = [SamplingParams(temperature=0, max_new_tokens=STEPS, ignore_eos=True) for _ in PROMPTS[:max(2, dp)]]
+    prompts = [{"token_ids": p} for p in PROMPTS[:max(2, dp)]]
     runs = []
     for flag in ("0", "1"):
         monkeypatch.setenv("DEEPINFER_PARALLEL_GRAPHS", flag)  # the workers inherit it
