@@ -7,7 +7,8 @@ the ranks) per MoE layer, with the bus bandwidth it reaches.
     python benchmarks/parallel_decode.py --ranks 2 [--tp 1] [--batches 1,8,32,128,256] [--contexts 4096,32768]
         [--prefill 4096,16384] [--out results.json] [--commit SHA]
 
-deepinfer's own launcher starts one process per GPU (`parallel.pool.RankPool`). Decode contexts are synthetic as in
+deepinfer's own launcher starts one process per GPU (`parallel.pool.RankPool`). A rank holds 76.9 GiB of weights
+at `--ranks 2` (`benchmarks/memory.py`): H200s; 42.7 GiB at 4. Decode contexts are synthetic as in
 `benchmarks/decode.py`: each sequence's cache is sized and its token count set to the context. A step's batch is
 per GPU (each data-parallel rank its own sequences); the floor of a step is the bytes one rank must read (every
 dense weight, its own experts that the whole step's tokens touch, its sequences' cache rows) over `--copy-gbs` or
@@ -44,7 +45,7 @@ class RankBench:
         from deepinfer.model.weights import ModelWeights
         from deepinfer.parallel.config import ParallelConfig, launched_rank
         from deepinfer.parallel.ranks import join
-        from deepinfer.parallel.shard import expert_placement, rank_model, take_experts
+        from deepinfer.parallel.shard import TP_CUT, expert_placement, rank_model, take_experts
         from deepinfer.runtime.backend import select
         from deepinfer.tiny import iter_random_tensors
 
@@ -61,7 +62,7 @@ class RankBench:
         placement = expert_placement(cfg, self.comm, None)
         slots = placement.slots_per_rank
         device, self.dtype = self.backend.device, torch.bfloat16
-        pairs = iter_random_tensors(cfg, seed + self.comm.rank.rank, self.dtype, device,
+        pairs = iter_random_tensors(cfg, seed, self.dtype, device,  # one seed: tensor-parallel ranks cut the same
                                     rows=lambda name: slots if ".mlp.experts." in name else None)
         pairs = ((n, t) for n, t in pairs if not n.startswith("mtp."))  # speculative decoding runs on one device
         tensors = quantize_in_memory(pairs, quantization) if native else dict(pairs)
@@ -71,7 +72,9 @@ class RankBench:
         weights = ModelWeights.from_tensors(cfg, tensors)
         self.model = rank_model(cfg, weights, self.backend.ops, self.comm, placement, experts, None)
         self.cfg, self.quantization, self.slots = cfg, quantization, slots
-        self.weight_bytes = sum(_nbytes(t) for t in tensors.values()) + sum(map(_nbytes, gate_up + down))
+        cut = sum(_nbytes(t) for name, t in tensors.items() if any(part in name + "." for part in TP_CUT))
+        self.weight_bytes = (sum(_nbytes(t) for t in tensors.values()) + sum(map(_nbytes, gate_up + down))
+                             - cut * (1 - 1 / tp))  # the attention's cut tensors: this rank's share
 
     def describe(self) -> dict:
         from deepinfer.parallel.ranks import describe
@@ -111,10 +114,11 @@ class RankBench:
         cache, seqs = self._cache(1, n, fill=False)
         ids = torch.randint(2, self.cfg.vocab_size, (n,), device=self.backend.device)
         positions = torch.arange(n, device=self.backend.device)
+        last = torch.tensor([n - 1], device=self.backend.device)  # the head on the prompt's last row, as the engine
 
         def once():
             seqs[0].num_tokens = 0  # the same prompt again, from its start
-            self.model.prefill(cache, ids, positions, [(seqs[0], 0, n)])
+            self.model.prefill(cache, ids, positions, [(seqs[0], 0, n)], last)
 
         with torch.inference_mode():
             seconds = self._timed(once, iters)
@@ -122,8 +126,9 @@ class RankBench:
 
     def exchange(self, rows: int, iters: int) -> dict:
         """One MoE layer's expert exchange for `rows` tokens a data-parallel rank: dispatch (the rows' hidden states
-        [rows, H] gathered from every data-parallel rank; their routing is a few bytes more) and combine (the
-        partial outputs [dp x rows, H] summed over every rank), each alone; bus bandwidth as NCCL reports it."""
+        [rows, H] gathered from every data-parallel rank and concatenated, as the engine runs it; their routing is a
+        few bytes more) and combine (the partial outputs [dp x rows, H] summed over every rank), each alone; bus
+        bandwidth as NCCL counts it."""
         comm, h, world = self.comm, self.cfg.hidden_size, self.comm.rank.parallel.world
         x = torch.randn(rows, h, dtype=self.dtype, device=self.backend.device)
         y = torch.randn(rows * comm.dp, h, dtype=self.dtype, device=self.backend.device)
@@ -234,9 +239,12 @@ def main(argv: list[str] | None = None) -> dict:
     dp = args.ranks // args.tp
     copy_gbs = args.copy_gbs
     if copy_gbs is None:
+        if not torch.cuda.is_available():
+            raise ConfigError("--copy-gbs: no GPU here to measure the copy bandwidth the floor is counted at; give it")
         from benchmarks.decode import copy_bandwidth
 
         copy_gbs = copy_bandwidth()
+        torch.cuda.empty_cache()  # the measurement's buffers: rank 0's GPU is this one
     from benchmarks.parallel_decode import RankBench as build  # by its importable name: the workers unpickle it
 
     parallel = ParallelConfig(dp, args.tp, enable_expert_parallel=True)

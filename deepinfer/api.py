@@ -100,6 +100,11 @@ class LLM:
         if self.parallel.world > 1:
             self.parallel.check_model(cfg.num_attention_heads, cfg.o_groups, cfg.n_routed_experts,
                                       redundant=eplb.redundant_experts if eplb is not None else 0)
+            if env.parallel_graphs and eplb is not None and eplb.step_interval:
+                raise ConfigError(f"DEEPINFER_PARALLEL_GRAPHS=1 with EPLB rebalancing every {eplb.step_interval} "
+                                  "forwards: a rebalance replaces the expert weights and tables a captured decode "
+                                  "graph reads; set eplb_step_interval=0 (--eplb-step-interval 0: the placement made "
+                                  "at start) or leave DEEPINFER_PARALLEL_GRAPHS off")
             if self.batch_invariant:  # the ranks' sums (NCCL picks its algorithm by message size) and EPLB's placement
                 raise ConfigError("batch_invariant (--batch-invariant) runs on one device: across ranks a token's sums "
                                   "and, with EPLB, its experts' placement depend on the other traffic; leave it off or "

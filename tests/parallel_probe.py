@@ -25,25 +25,33 @@ class Probe:
         """fp32 logits of each prompt's prefill rows, then of `steps` greedy decode steps, prompt by prompt. On
         several ranks, data-parallel rank d runs prompts d, d + dp, ... (as many on every rank: the forwards meet).
         `forced`: the token each decode step feeds, per prompt (default: the step's own greedy token); `captured`:
-        decode through graphs captured by the backend (CUDA graphs on the GPU; not with lockstep ranks)."""
+        decode through graphs captured by the backend (CUDA graphs on the GPU; with lockstep ranks every rank's
+        step brings its one row, so the expert exchange runs without its size exchange, as a captured engine step).
+        The logits come back on the host."""
         llm = self.llm
-        comm = llm._comm
+        comm, device = llm._comm, llm.model.device
         dp, d = (comm.dp, comm.rank.dp_rank) if comm is not None else (1, 0)
         mine = prompts[d::dp]
         feeds = forced[d::dp] if forced is not None else [None] * len(mine)
+        shard = llm.model.expert_shard
         out = []
         for ids, feed in zip(mine, feeds):
             seq = llm.cache.admit()
             llm.cache.grow(seq, len(ids))
-            rows = [llm.model.prefill(llm.cache, torch.tensor(ids), torch.arange(len(ids)), [(seq, 0, len(ids))])]
+            rows = [llm.model.prefill(llm.cache, torch.tensor(ids, device=device),
+                                      torch.arange(len(ids), device=device), [(seq, 0, len(ids))])]
             graphs = DecodeGraphs(llm.model, llm.cache, 1, llm.backend.capture if captured else None)
+            if shard is not None:
+                shard.static = captured  # a graph replays its shapes: no size exchange inside
             for s in range(steps):
                 llm.cache.grow(seq, seq.num_tokens + 1)
                 token = feed[s] if feed is not None else int(rows[-1][-1].argmax())
-                rows.append(graphs.run([token], [seq.num_tokens], [seq]))
+                rows.append(graphs.run([token], [seq.num_tokens], [seq]).clone())  # a graph's output is reused
                 seq.num_tokens += 1
+            if shard is not None:
+                shard.static = False
             llm.cache.release(seq)
-            out.append(torch.cat(rows))
+            out.append(torch.cat(rows).float().cpu())
         if comm is None:
             return out
         parts = comm.gather_objects(out)[:: comm.tp]  # data-parallel rank d's prompts d, d + dp, ...

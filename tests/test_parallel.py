@@ -120,6 +120,15 @@ def test_bad_sizes_are_refused_by_name():
     assert launched_rank(ParallelConfig(tensor_parallel_size=2), {}) is None
 
 
+def test_decode_graphs_on_ranks_are_refused_with_eplb_rebalancing(monkeypatch):
+    """A rebalance replaces the expert weights and tables a captured graph reads: refused by name before any worker
+    starts."""
+    monkeypatch.setenv("DEEPINFER_PARALLEL_GRAPHS", "1")
+    kwargs = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, backend="reference")
+    with pytest.raises(ConfigError, match="DEEPINFER_PARALLEL_GRAPHS=1 with EPLB rebalancing every 3 forwards"):
+        LLM(eplb_step_interval=3, **kwargs)
+
+
 def test_sizes_the_model_cannot_split_fail_before_any_worker_starts():
     begin = time.monotonic()
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 must divide the model's attention heads \(4\)"):

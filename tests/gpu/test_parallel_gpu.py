@@ -6,8 +6,8 @@ on such a host. Not yet run: no machine with several GPUs has been lent (docs/pa
 
 Tolerance: the ranks' logits against one GPU's, both bf16, every row forced along the fp32 reference's greedy
 tokens; the bound is twice the one-GPU run's own distance from the fp32 reference on the same rows (bf16 rounding:
-both runs are that close to the reference; the ranks only change the order of the sums over heads and
-experts)."""
+both runs are that close to the reference; the ranks only change the order of the sums over heads and experts)
+plus 1 % of the largest logit (the ranks' partial sums are rounded to bf16 once more a layer)."""
 
 from __future__ import annotations
 
@@ -66,16 +66,16 @@ def reference(model):
 
 @pytest.fixture(scope="module")
 def one_gpu(model, reference, cuda):
-    """One GPU's logits along the reference tokens, and each prompt's bound: its distance from the reference."""
+    """One GPU's logits along the reference tokens, and each prompt's bound (the module's docstring)."""
     ref, tokens = reference
     probe = GpuProbe(model=model)
     try:
         logits = probe.logits(PROMPTS, STEPS, tokens)
     finally:
         probe.close()
-    bounds = [(g - r).abs().max().item() for g, r in zip(logits, ref)]
-    assert all(0 < b < 0.1 * r.abs().max().item() for b, r in zip(bounds, ref))  # bf16 rounding, not a wrong kernel
-    return logits, bounds
+    distances = [(g - r).abs().max().item() for g, r in zip(logits, ref)]
+    assert all(0 < b < 0.1 * r.abs().max().item() for b, r in zip(distances, ref))  # bf16 rounding, not a bad kernel
+    return logits, [2 * b + 0.01 * r.abs().max().item() for b, r in zip(distances, ref)]
 
 
 def on_ranks(model, layout: dict, method: str, *args):
@@ -92,15 +92,15 @@ def on_ranks(model, layout: dict, method: str, *args):
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_gpus_give_one_gpus_logits(model, reference, one_gpu, layout, captured):
-    """Every prefill and decode row within twice the one-GPU run's own distance from the fp32 reference (both bf16
-    runs are that close to it). `graphs`: each decode step replayed from a CUDA graph with the step's NCCL
-    collectives captured inside (the attention's all-reduce, the experts' gathers and sums)."""
+    """Every prefill and decode row within the bound (the module's docstring) of one GPU's. `graphs`: each decode
+    step replayed from a CUDA graph with the step's NCCL collectives captured inside (the attention's all-reduce,
+    the experts' gathers and sums)."""
     _, tokens = reference
     want, bounds = one_gpu
     got = on_ranks(model, LAYOUTS[layout], "logits", PROMPTS, STEPS, tokens, captured)
     for g, w, bound in zip(got, want, bounds, strict=True):
         assert g.shape == w.shape
-        assert (g - w).abs().max().item() <= 2 * bound
+        assert (g - w).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("layout", ["dp2+ep", "tp2+ep", "dp2xtp2+ep", "dp4xtp2+ep"])
