@@ -133,11 +133,11 @@ def copy_bandwidth(device: torch.device = torch.device("cuda")) -> float:
     return 2 * src.numel() * 4 / (elapsed_ms(copy, 20, device) * 1e-3) / 1e9
 
 
-def synthetic_cache(cfg, batch: int, context: int, dtype):
+def synthetic_cache(cfg, batch: int, context: int, dtype, device="cuda"):
     from deepinfer.runtime.cache import CacheSpec, PagedCache
 
     per_seq = context // 128 + 2
-    cache = PagedCache(cfg, CacheSpec(num_blocks=batch * per_seq, max_seqs=batch, max_blocks_per_seq=per_seq), dtype, "cuda")
+    cache = PagedCache(cfg, CacheSpec(num_blocks=batch * per_seq, max_seqs=batch, max_blocks_per_seq=per_seq), dtype, device)
     seqs = []
     for _ in range(batch):
         s = cache.admit()

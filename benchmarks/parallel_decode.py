@@ -87,12 +87,12 @@ class RankBench:
     def decode(self, batch: int, context: int, iters: int, copy_gbs: float) -> dict:
         """A decode step of `batch` sequences on each data-parallel rank (its tensor-parallel GPUs share them),
         each `context` deep, replayed (CUDA graphs where the backend captures) `iters` times."""
-        from benchmarks.decode import floor_parts
+        from benchmarks.decode import floor_parts, synthetic_cache
         from deepinfer.model.weights import tensor_specs
         from deepinfer.parallel.shard import TP_CUT
         from deepinfer.runtime.graph import DecodeGraphs
 
-        cache, seqs = self._cache(batch, context)
+        cache, seqs = synthetic_cache(self.cfg, batch, context, self.dtype, self.backend.device)
         self.model.expert_shard.static = True  # every rank brings `batch` rows: no size exchange in the step
         graphs = DecodeGraphs(self.model, cache, batch, self.backend.capture)
         ids, pos = list(range(100, 100 + batch)), [context] * batch
@@ -111,7 +111,9 @@ class RankBench:
     def prefill(self, n: int, iters: int) -> dict:
         """One sequence of `n` tokens prefilled in one call on every rank at once (the expert exchange carries
         every data-parallel rank's n rows)."""
-        cache, seqs = self._cache(1, n, fill=False)
+        from benchmarks.decode import synthetic_cache
+
+        cache, seqs = synthetic_cache(self.cfg, 1, n, self.dtype, self.backend.device)
         ids = torch.randint(2, self.cfg.vocab_size, (n,), device=self.backend.device)
         positions = torch.arange(n, device=self.backend.device)
         last = torch.tensor([n - 1], device=self.backend.device)  # the head on the prompt's last row, as the engine
@@ -144,20 +146,6 @@ class RankBench:
         self.comm.close()
 
     # ---- internals ------------------------------------------------------------------------------------
-    def _cache(self, batch: int, context: int, fill: bool = True):
-        from deepinfer.runtime.cache import CacheSpec, PagedCache
-
-        per_seq = context // 128 + 2
-        cache = PagedCache(self.cfg, CacheSpec(num_blocks=batch * per_seq, max_seqs=batch,
-                                               max_blocks_per_seq=per_seq), self.dtype, self.backend.device)
-        seqs = []
-        for _ in range(batch):
-            s = cache.admit()
-            assert cache.grow(s, context + 1)
-            s.num_tokens = context if fill else 0
-            seqs.append(s)
-        return cache, seqs
-
     def _timed(self, fn, iters: int) -> float:
         """Seconds per call of `fn`: one warm-up call, then `iters` calls, the same count on every rank; the
         slowest rank's time."""
@@ -207,11 +195,10 @@ def prebuild(config: str, backend: str, native: bool, parallel) -> None:
 
 
 def _nbytes(t) -> int:
-    from tilekernels.quant import BlockQuantized
+    """`decode.nbytes`, 0 for the meta stand-ins of the experts other ranks hold."""
+    from benchmarks.decode import nbytes
 
-    if getattr(t, "is_meta", False):
-        return 0
-    return t.nbytes if isinstance(t, BlockQuantized) else t.numel() * t.element_size()
+    return 0 if getattr(t, "is_meta", False) else nbytes(t)
 
 
 def main(argv: list[str] | None = None) -> dict:
