@@ -1,6 +1,7 @@
 """The whole model's weight memory at native precision, from a config alone, against one device's memory: on one
-device and on each rank when the routed experts are split over N ranks (expert parallelism; everything else whole
-on every rank, as `deepinfer/parallel/shard.py` lays it out).
+device and on each rank of N data-parallel ranks with the routed experts split over them (expert parallelism), as
+`deepinfer/parallel/shard.py` lays it out: V4.1's Engram tables split by rows over the same ranks
+(`deepinfer/parallel/engram.py`), everything else whole on every rank.
 
 DeepSeek-V4 (a config.json file): FP8 dense, FP4 experts, as `deepinfer.weights.synthetic` lays it out.
 DeepSeek-V4.1 (a model directory): as `load_v41` keeps its checkpoint with `--quantization auto` (FP8 dense, FP4
@@ -64,8 +65,9 @@ def report(config: Path, ranks: list[int], device_gib: float) -> dict:
     for name, b in classes.items():
         print(f"  {name:14s} {b / GIB:8.1f} GiB")
     total = sum(classes.values())
-    per_rank = {n: total - classes["fp4 experts"] * (n - 1) / n for n in ranks}  # each rank 1/N of the routed experts
-    print(f"| ranks (experts split) | GiB a rank | of one {device_gib} GiB device |\n|---|---|---|")
+    split = classes["fp4 experts"] + classes.get("engram tables", 0)  # each rank 1/N of these
+    per_rank = {n: total - split * (n - 1) / n for n in ranks}
+    print(f"| ranks (experts and tables split) | GiB a rank | of one {device_gib} GiB device |\n|---|---|---|")
     for n, b in per_rank.items():
         print(f"| {n} | {b / GIB:.1f} | {b / (device_gib * GIB):.2f}x |")
     return dict(parameters=params, classes=classes, per_rank=per_rank)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "benchmarks/configs/v4-flash.json",
                         help="a V4 config.json, or a V4.1 model directory")
-    parser.add_argument("--ranks", default="1,2,4,8", help="ranks the routed experts are split over")
+    parser.add_argument("--ranks", default="1,2,4,8", help="data-parallel ranks the routed experts (and Engram tables) are split over")
     parser.add_argument("--device-gib", type=float, default=139.8, help="usable memory of one device (H200: 139.8)")
     args = parser.parse_args(argv)
     with torch.device("meta"):

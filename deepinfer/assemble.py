@@ -257,12 +257,14 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     # as V4: the checkpoint's FP8 / FP4 tensors stay quantized with `auto` where the model takes them so (the
     # reference ops dequantize one tensor at a time, the kernels read them as stored); `none` dequantizes at load
     keep = opts.quantization == "auto"
-    placement = share = None
+    placement = share = split = None
     if comm is not None:  # where the routed experts go, before anything is read: a rank reads its own only
+        from deepinfer.parallel.engram import table_split
         from deepinfer.parallel.shard import expert_placement, experts_to_read, rank_model_v41, rank_share_v41
 
         placement = expert_placement(cfg, comm, eplb)
         share = rank_share_v41(cfg, comm.rank, placement)
+        split = table_split(cfg, comm.rank)  # its rows of the Engram tables, when the ranks split them
     weights_size = v41_weight_bytes(cfg, dtype, keep, share)
     ahead = opts.lookahead if opts.draft_layers else 0  # speculative decoding: draft rows a verify step may drop
 
@@ -281,7 +283,8 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     bar = progress_bar(opts.show_progress, "loading weights", total=len(tensor_specs(cfg)))
     ckpt = load_v41(model_dir, cfg, dtype, backend.device, keep_quantized=keep,
                     progress=None if bar is None else bar.update,
-                    experts_of=None if placement is None else experts_to_read(placement, comm.rank.rank))
+                    experts_of=None if placement is None else experts_to_read(placement, comm.rank.rank),
+                    table_rows=None if split is None else split.rows)
     if bar is not None:
         bar.close()
     shard = None
@@ -291,7 +294,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
 
         gate_up, down = take_experts(ckpt.tensors, cfg, placement, comm.rank.rank, whole=False, module="ffn")
         shard = ExpertShard(backend.ops, comm, placement, gate_up, down, eplb)  # the layout one process runs
-    weights = V41Weights.from_tensors(cfg, ckpt.tensors)
+    weights = V41Weights.from_tensors(cfg, ckpt.tensors, None if split is None else split.rows)
     if comm is None:
         model = DeepseekV41(cfg, weights, backend.ops, hasher)
     else:  # its heads cut from the whole weights, its experts in `shard` when split

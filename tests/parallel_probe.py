@@ -99,3 +99,9 @@ class Probe41(Probe):
                 rows.append(model.decode(cache, rows[-1][-1:].argmax(-1), [0]))
             out.append(torch.cat(rows))
         return out
+
+    def engram_tables(self) -> list[list[int]]:
+        """Every rank's rows of each Engram table (rank order)."""
+        model = self.llm.model
+        mine = [model.weights.layers[i].engram.table.shape[0] for i in model.cfg.engram.layer_ids]
+        return self.llm._comm.gather_objects(mine)

@@ -18,10 +18,27 @@ def test_v4_flash_needs_two_devices_and_a_rank_of_two_holds_half_its_experts():
     assert out["per_rank"][2] == total - experts / 2
 
 
-def test_v41_flash_is_763b_and_its_engram_tables_keep_a_rank_of_eight_over_one_device():
-    """V4.1-Flash: 762.7 B parameters, 474.7 GiB as loaded; at EP 8 a rank still holds both Engram tables whole
-    (188.8 GiB), more than one H200."""
+def test_v41_flash_is_763b_and_a_rank_of_eight_holds_an_eighth_of_its_experts_and_engram_tables():
+    """V4.1-Flash: 762.7 B parameters, 474.7 GiB as loaded, 188.8 GiB of it the two Engram tables. At EP 8 a rank
+    holds an eighth of the routed experts and of the tables' rows: 74.1 GiB, what the ranks' own fit check counts
+    (`rank_share_v41`); with the tables whole it would be more than one H200."""
+    import torch
+
+    from deepinfer.assemble import v41_weight_bytes
+    from deepinfer.config_v41 import read_config
+    from deepinfer.parallel.config import ParallelConfig, Rank
+    from deepinfer.parallel.experts import initial_placement
+    from deepinfer.parallel.shard import rank_share_v41
+
     out = main(["--config", str(CONFIGS / "v41-flash"), "--ranks", "8"])
     assert round(out["parameters"] / 1e9, 1) == 762.7
     assert round(sum(out["classes"].values()) / GIB, 1) == 474.7
-    assert out["per_rank"][8] > 139.8 * GIB > out["per_rank"][8] - out["classes"]["engram tables"]
+    assert round(out["classes"]["engram tables"] / GIB, 1) == 188.8
+    assert round(out["per_rank"][8] / GIB, 1) == 74.1
+    assert out["per_rank"][8] + out["classes"]["engram tables"] * 7 / 8 > 139.8 * GIB
+    cfg = read_config(CONFIGS / "v41-flash")
+    for r in (0, 7):
+        rank = Rank(r, r, ParallelConfig(8, 1, True))
+        share = rank_share_v41(cfg, rank, initial_placement(cfg.num_hidden_layers, cfg.n_routed_experts, 8, None))
+        with torch.device("meta"):
+            assert abs(v41_weight_bytes(cfg, torch.bfloat16, True, share) - out["per_rank"][8]) < 2**20

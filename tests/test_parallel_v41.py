@@ -7,10 +7,13 @@ groups, with and without the experts split) the one-process fp32 logits within 1
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from deepinfer.api import LLM
+from deepinfer.config_v41 import V41Config
 from deepinfer.errors import ConfigError
 from deepinfer.parallel.config import ParallelConfig
 from deepinfer.parallel.pool import RankPool
@@ -76,16 +79,21 @@ def test_four_data_parallel_ranks_one_expert_each(tmp_path_factory):
     assert on_ranks(path, data_parallel_size=4, enable_expert_parallel=True)[0] == one_process(path)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["tp2", "tp2+ep"])
-def test_tensor_parallel_ranks_give_the_one_process_logits(path, split):
-    """Each rank holds half the heads (the query projection's rows, the sinks) and one of the two output groups;
-    the attention outputs are added over the ranks: every prefill and decode row's fp32 logits within 1e-5."""
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "tp2+ep", "dp2+ep"])
+def test_ranks_give_the_one_process_logits_with_the_engram_tables_split(path, layout):
+    """Tensor-parallel: each rank holds half the heads (the query projection's rows, the sinks) and one of the two
+    output groups; the attention outputs are added over the ranks. Every layout here splits the Engram tables by
+    rows, half a rank (tensor-parallel: over the group; data-parallel with the experts split: over every rank, the
+    ranks' row ids gathered): every prefill and decode row's fp32 logits within 1e-5 of one process."""
     ids, steps = [p["token_ids"] for p in PROMPTS], 3
     want = Probe41(model=path, dtype="float32").logits(ids, steps)
-    kwargs = dict(model=path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=split)
-    pool = RankPool(ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=split), Probe41, kwargs)
+    pool = RankPool(ParallelConfig(**layout), Probe41, dict(model=path, dtype="float32", **layout))
     try:
-        assert "tensor-parallel 2" in pool.ready[0]
+        whole = list(V41Config.from_dict(json.loads((path / "config.json").read_text())).engram.num_embeddings)
+        parts = pool.call("engram_tables")
+        assert [sum(k) for k in zip(*parts)] == whole and all(2 * r <= n + 1 for p in parts for r, n in zip(p, whole))
         for got, w in zip(pool.call("logits", ids, steps), want, strict=True):
             assert got.dtype == torch.float32 and got.shape == w.shape
             assert (got - w).abs().max().item() <= 1e-5

@@ -137,9 +137,9 @@ def _counting_reads(monkeypatch) -> Counter:
     reads: Counter = Counter()
 
     class Counting(ShardReader):
-        def __call__(self, key):
+        def __call__(self, key, rows=None):
             reads[key] += 1
-            return super().__call__(key)
+            return super().__call__(key, rows)
 
     monkeypatch.setattr(v41_loader, "ShardReader", Counting)
     return reads

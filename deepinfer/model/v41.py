@@ -72,6 +72,7 @@ class DeepseekV41:
         self._ctx = [LayerContext.build(heads, ops, i, main, comp) for i in range(cfg.num_hidden_layers)]
         self._swiglu_limit = cfg.swiglu_limit if cfg.swiglu_limit > 0 else math.inf  # 0 means no clamp
         self.expert_shard = None if parallel is None else parallel.experts
+        self.engram_shard = None if parallel is None else parallel.engram  # the tables split over ranks
         self._attention_sum = None if parallel is None else parallel.attention_sum
 
     @property
@@ -163,9 +164,15 @@ class DeepseekV41:
         return attention if self._attention_sum is None else self._attention_sum(attention)
 
     def idle(self) -> None:
-        """A forward pass without tokens: every layer's expert exchange with the other ranks (a data-parallel rank
-        with nothing to run while others step, under expert parallelism)."""
+        """A forward pass without tokens: the Engram rows' exchange (when the ranks split the tables) and every
+        layer's expert exchange with the other ranks (a data-parallel rank with nothing to run while others step,
+        under expert parallelism)."""
         cfg = self.cfg
+        if self.engram_shard is not None:
+            e = cfg.engram
+            rows = torch.zeros((0, len(e.layer_ids), (e.max_ngram - 1) * e.n_heads), dtype=torch.int64,
+                               device=self.device)
+            self._engram_values(rows)
         self.expert_shard.idle(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts_per_tok, self._swiglu_limit,
                                self.dtype)
 
@@ -183,9 +190,13 @@ class DeepseekV41:
         shared = Published()
         targets = cfg.dspark.target_layer_ids if hidden and cfg.dspark is not None else ()
         taps = []
+        looked = None if self.engram_shard is None or engram_rows is None else self._engram_values(engram_rows)
         for i, layer in enumerate(w.layers):
             if layer.engram is not None:
-                h = self._engram(layer.engram, h, engram_rows[:, cfg.engram.layer_ids.index(i)])
+                k = cfg.engram.layer_ids.index(i)
+                values = (self.ops.engram_lookup(engram_rows[:, k], layer.engram.table, ENGRAM_DTYPE)
+                          if looked is None else looked[:, k])
+                h = self._engram(layer.engram, h, values)
             if i in targets:  # DSpark reads the input streams of its target layers (after the Engram)
                 taps.append(h.mean(dim=1))
             experts = None if self.expert_shard is None else partial(self.expert_shard, i, ids)
@@ -210,16 +221,22 @@ class DeepseekV41:
         # path's default dtype: the same numbers)
         return ops.linear(out.to(w.head.dtype), w.head).float()
 
-    def _engram(self, w: Engram41, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """h [N, hc, D] += gated Engram value; rows [N, (max_ngram - 1) * heads] table rows of each token."""
+    def _engram(self, w: Engram41, h: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """h [N, hc, D] += gated Engram value; values [N, (max_ngram - 1) * heads * head_dim] the looked-up table
+        rows of each token."""
         ops, n, d = self.ops, h.shape[0], h.shape[-1]
         # rows rounded to bf16 as the reference feeds them, the projection in the weights' dtype, its output rounded
         # to bf16 as the reference's bf16 matmul gives it (the same numbers, and kernel tables need one dtype)
-        rows = ops.engram_lookup(rows, w.table, ENGRAM_DTYPE).to(w.wkv.dtype)
-        kv = ops.linear(rows, w.wkv).to(ENGRAM_DTYPE).float()
+        kv = ops.linear(values.to(w.wkv.dtype), w.wkv).to(ENGRAM_DTYPE).float()
         key, value = kv.split([self.cfg.hc_mult * d, d], dim=-1)
         return ops.engram_gate(h, key.view(n, self.cfg.hc_mult, d), value, w.q_weight, w.k_weight,
                                self.cfg.rms_norm_eps)
+
+    def _engram_values(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N, engram layers, C] -> the rows looked up over the ranks that split the tables [N, layers, C * d]
+        (`parallel.engram`)."""
+        tables = [self.weights.layers[i].engram.table for i in self.cfg.engram.layer_ids]
+        return self.engram_shard(self.ops.engram_lookup, rows, tables, ENGRAM_DTYPE)
 
     def _engram_rows(self, cache: V41Cache, ids: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor | None:
         """Each chunk's n-gram rows -> [N, engram layers, (max_ngram - 1) * heads]."""

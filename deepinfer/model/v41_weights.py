@@ -13,7 +13,7 @@ already holds a layer's experts stacked (`layers.L.ffn.experts.gate_up_proj` [E,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -191,9 +191,11 @@ class V41Weights:
         return 0 if self.dspark is None else len(self.dspark.blocks)
 
     @classmethod
-    def from_tensors(cls, cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> V41Weights:
-        """Check a name -> tensor map against `tensor_specs(cfg)` and pack it."""
-        check_tensors(cfg, tensors)
+    def from_tensors(cls, cfg: V41Config, tensors: Mapping[str, torch.Tensor],
+                     table_rows: Callable[[int], tuple[int, int]] | None = None) -> V41Weights:
+        """Check a name -> tensor map against `tensor_specs(cfg)` and pack it; `table_rows`: the Engram tables hold
+        those rows only (`load_v41`'s argument: one rank's part)."""
+        check_tensors(cfg, tensors, table_rows)
         t = tensors
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -252,9 +254,10 @@ def stacked_specs(cfg: V41Config, layer: int) -> dict[str, TensorSpec]:
     return {p + GATE_UP: TensorSpec((e, 2 * i, d), MODEL), p + DOWN: TensorSpec((e, d, i), MODEL)}
 
 
-def check_tensors(cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> None:
+def check_tensors(cfg: V41Config, tensors: Mapping[str, torch.Tensor],
+                  table_rows: Callable[[int], tuple[int, int]] | None = None) -> None:
     """Raise `WeightsError` naming the missing tensors or the first one of the wrong shape (a layer's routed
-    experts one by one, or stacked)."""
+    experts one by one, or stacked; the Engram tables' rows `table_rows(rows)[1]` when given)."""
     stacked, per_expert = {}, []  # layers given with stacked experts: those replace their experts one by one
     for layer in range(cfg.num_hidden_layers):
         layer_stacked = stacked_specs(cfg, layer)
@@ -262,6 +265,9 @@ def check_tensors(cfg: V41Config, tensors: Mapping[str, torch.Tensor]) -> None:
             stacked.update(layer_stacked)
             per_expert.append(f"layers.{layer}.ffn.experts.")
     specs = {n: s for n, s in tensor_specs(cfg).items() if not n.startswith(tuple(per_expert))}
+    if table_rows is not None:
+        specs = {n: TensorSpec((table_rows(s.shape[0])[1], *s.shape[1:]), s.kind) if s.kind == TABLE else s
+                 for n, s in specs.items()}
     check_specs({**specs, **stacked}, tensors, V41_CONFIG)
 
 

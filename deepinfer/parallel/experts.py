@@ -85,7 +85,7 @@ class ExpertShard:
         if comm.dp > 1:
             rows = n if self.static else max(comm.dp_sizes(n))
             start = comm.rank.dp_rank * rows
-            x, weights, indices, ids = (comm.dp_gather(_pad(t, rows)) for t in (x, weights, indices, ids))
+            x, weights, indices, ids = (comm.dp_gather(pad_rows(t, rows)) for t in (x, weights, indices, ids))
         count = self._replicas[layer][indices]
         slot = self._log2phy[layer][indices, ids.view(-1, 1) % count] - comm.rank.rank * self.per_rank
         mine = (slot >= 0) & (slot < self.per_rank)
@@ -167,7 +167,7 @@ def _gather_all(comm: Comm, w):
     return torch.cat(parts).view(w.dtype)
 
 
-def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """`t` with zero rows appended up to `rows`."""
     if t.shape[0] == rows:
         return t

@@ -5,8 +5,10 @@ Tensor parallelism splits each attention layer by output group: rank t of T keep
 the query projection (V4 `q_b_proj`, V4.1 `wq_b`) and the sinks, groups [t G/T, (t+1) G/T) of the grouped output
 projection (`o_a_proj` / `wo_a`) and the matching input columns of the last one (`o_b_proj` / `wo_b`), so its
 attention output is a partial sum over its groups that the tensor-parallel group adds up. Everything else (the
-shared KV head and its cache, compressors, indexer, mHC, norms, the shared expert, the gate, V4.1's Engram and
-DSpark draft blocks) is whole on every rank. Block-quantized weights are cut on their scale-block grid.
+shared KV head and its cache, compressors, indexer, mHC, norms, the shared expert, the gate, V4.1's Engram
+projections and DSpark draft blocks) is whole on every rank, except V4.1's Engram tables, split by rows over the
+ranks whose forwards meet (`deepinfer/parallel/engram.py`). Block-quantized weights are cut on their scale-block
+grid.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from deepinfer.model.v41_weights import V41Weights
 from deepinfer.model.weights import ModelWeights
 from deepinfer.parallel.comm import Comm
 from deepinfer.parallel.config import Rank
+from deepinfer.parallel.engram import EngramShard, table_split
 from deepinfer.parallel.eplb import Placement
 from deepinfer.parallel.experts import EplbConfig, ExpertShard, initial_placement, rows, slot_experts
 from tilekernels import OpTable
@@ -39,6 +42,7 @@ class ModelParallel:
     attention_cfg: ModelConfig  # this rank's heads and output groups (a V41Config for V4.1)
     attention_sum: Callable[[torch.Tensor], torch.Tensor] | None  # adds the attention output over the group
     experts: ExpertShard | None  # the routed experts over the ranks (None: all on this rank)
+    engram: EngramShard | None = None  # V4.1's Engram tables over the ranks (None: whole on this rank)
 
 
 def expert_placement(cfg: ModelConfig, comm: Comm, eplb_cfg: EplbConfig | None) -> Placement | None:
@@ -105,29 +109,43 @@ V41_TP_CUT = re.compile(r"^layers\.\d+\.attn\.(attn_sink|wq_b\.weight|wo_a\.weig
 
 
 def rank_share_v41(cfg: V41Config, rank: Rank, placement: Placement | None) -> Callable[[str], float]:
-    """`rank_share` for V4.1's checkpoint names (the backbone's routed experts and attention heads; DSpark's `mtp.*`
-    blocks stay whole)."""
+    """`rank_share` for V4.1's checkpoint names (the backbone's routed experts and attention heads, the Engram
+    tables' rows (`engram.table_split`); DSpark's `mtp.*` blocks stay whole)."""
     from deepinfer.weights.v41_loader import ROUTED
 
     tp = rank.parallel.tensor_parallel_size
     experts = 1.0 if placement is None else placement.slots_per_rank / cfg.n_routed_experts
-    return lambda name: experts if ROUTED.match(name) else 1.0 / tp if V41_TP_CUT.match(name) else 1.0
+    split = table_split(cfg, rank)
+    tables = {} if split is None else {f"layers.{i}.engram.embed.weight": split.rows(n)[1] / n
+                                       for i, n in zip(cfg.engram.layer_ids, cfg.engram.num_embeddings)}
+    return lambda name: (experts if ROUTED.match(name) else 1.0 / tp if V41_TP_CUT.match(name)
+                         else tables.get(name, 1.0))
 
 
 def rank_model_v41(cfg: V41Config, weights: V41Weights, ops: OpTable, hasher: EngramHasher | None, comm: Comm,
                    shard: ExpertShard | None):
     """This rank's `DeepseekV41`: its attention heads cut from the whole model's `weights` (V41Weights), its routed
-    experts in `shard` when they are split (the weights then keep none)."""
+    experts in `shard` when they are split (the weights then keep none), its rows of the Engram tables when the
+    ranks split them (`weights` hold those rows, as the loader reads them, or whole tables, cut here)."""
     from deepinfer.model.v41 import DeepseekV41
 
     rank, v41_heads = comm.rank, ("sink", "wq_b", "wo_a", "wo_b", "attn")
-    layers = tuple(dataclasses.replace(layer, attn=cut_heads(layer.attn, cfg, rank, f"layers.{i}", v41_heads))
-                   for i, layer in enumerate(weights.layers))
-    weights = dataclasses.replace(weights, layers=layers)
+    split, engram = table_split(cfg, rank), None
+    layers = [dataclasses.replace(layer, attn=cut_heads(layer.attn, cfg, rank, f"layers.{i}", v41_heads))
+              for i, layer in enumerate(weights.layers)]
+    if split is not None:
+        parts = [split.rows(n) for n in cfg.engram.num_embeddings]
+        for (first, count), i, n in zip(parts, cfg.engram.layer_ids, cfg.engram.num_embeddings):
+            table = layers[i].engram.table
+            if table.shape[0] == n and count != n:  # whole: keep this rank's rows
+                table = cut(table, -2, first, count, f"layers.{i}.engram.embed.weight")
+            layers[i] = dataclasses.replace(layers[i], engram=dataclasses.replace(layers[i].engram, table=table))
+        engram = EngramShard(comm, split, [f for f, _ in parts], [c for _, c in parts])
+    weights = dataclasses.replace(weights, layers=tuple(layers))
     if shard is not None:
         weights = without_routed_experts(weights)
     tp_sum = comm.tp_sum if rank.parallel.tensor_parallel_size > 1 else None
-    return DeepseekV41(cfg, weights, ops, hasher, ModelParallel(local_config(cfg, rank), tp_sum, shard))
+    return DeepseekV41(cfg, weights, ops, hasher, ModelParallel(local_config(cfg, rank), tp_sum, shard, engram))
 
 
 def local_config(cfg: ModelConfig, rank: Rank) -> ModelConfig:

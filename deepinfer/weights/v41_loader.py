@@ -58,13 +58,16 @@ class V41Checkpoint:
 def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu", keep_quantized: bool = False,
              progress: Callable[[int], object] | None = None,
-             experts_of: Callable[[str], list[int]] | None = None) -> V41Checkpoint:
+             experts_of: Callable[[str], list[int]] | None = None,
+             table_rows: Callable[[int], tuple[int, int]] | None = None) -> V41Checkpoint:
     """Read every tensor `cfg` needs from `model_dir`, each checkpoint tensor once; a `WeightsError` names a
     missing tensor, a wrong shape, a quantized tensor without its scale, or a scale that does not fit its weight
     (grid or dtype). `progress(1)` (V4's `load_checkpoint`: e.g. a tqdm bar's `update`) after each tensor of
     `tensor_specs(cfg)` is in place, a routed expert's as it joins its layer's stack: `len(tensor_specs(cfg))`
     calls in all. `experts_of(name)`: the routed experts of stacked tensor `layers.N.ffn.experts.*` to read, in that
-    order (one rank's share, as V4's `load_checkpoint`; the checkpoint must still hold every expert); default all."""
+    order (one rank's share, as V4's `load_checkpoint`; the checkpoint must still hold every expert); default all.
+    `table_rows(rows)`: the (first, count) rows of an Engram table of `rows` rows to read (one rank's part:
+    `deepinfer.parallel.engram`); the table's stored shape is still checked whole. Default: every row."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     specs = tensor_specs(cfg)
@@ -95,7 +98,8 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
                     moes.append(routed.group(1))
                 continue
             fmt = checkpoint_format_v41(name, cfg) if keep_quantized else None
-            tensor = _one(name, spec, values[name], scales.get(name), read, dtype, block, fmt, ckpt)
+            part = table_rows(spec.shape[0]) if table_rows is not None and spec.kind == TABLE else None
+            tensor = _one(name, spec, values[name], scales.get(name), read, dtype, block, fmt, ckpt, part)
             ckpt.tensors[name] = tensor.to(device)
             done(1)
         for prefix in moes:  # one stacked tensor on the host at a time
@@ -114,14 +118,19 @@ def load_v41(model_dir: str | Path, cfg: V41Config, dtype: torch.dtype = torch.f
 
 
 def _one(name: str, spec: TensorSpec, key: str, scale_key: str | None, read, dtype: torch.dtype,
-         block: tuple[int, int], kept: Format | None, ckpt: V41Checkpoint) -> torch.Tensor | BlockQuantized:
-    """One tensor: plain (cast), quantized kept (`kept`: the format it may keep) or dequantized; shape checked."""
-    tensor = read(key)
+         block: tuple[int, int], kept: Format | None, ckpt: V41Checkpoint,
+         rows: tuple[int, int] | None = None) -> torch.Tensor | BlockQuantized:
+    """One tensor: plain (cast), quantized kept (`kept`: the format it may keep) or dequantized; shape checked.
+    `rows` (first, count): only those rows (with their scales), the stored shape checked whole."""
     label = f"{name} ({key})" if key != name else name
+    if rows is not None:
+        check_shape(label, read.shape(key), spec, V41_CONFIG)
+        spec = TensorSpec((rows[1], *spec.shape[1:]), spec.kind)
+    tensor = read(key, rows)
     target = torch.float32 if spec.kind == FP32 else dtype
     if scale_key is not None:
         ckpt.quantized += 1
-        q = as_quantized(label, tensor, read(scale_key), TABLE_BLOCK if spec.kind == TABLE else block)
+        q = as_quantized(label, tensor, read(scale_key, rows), TABLE_BLOCK if spec.kind == TABLE else block)
         if spec.kind == TABLE:
             tensor = q
         elif kept is not None and kept[0] == q.format:

@@ -175,12 +175,13 @@ def test_other_decode_tiles_build(tune, n, k, cache):
 
 @pytest.mark.parametrize("name", ["sm100", "ascend"])
 def test_portable_body_lowers_at_the_decode_tile(name):
+    """gate_up's shape (down's differs only in N and K; `pytest -m full` lowers every V4-Flash shape per target)."""
     from backends import tl
 
     target = backends.get(name)
-    for n, k in FLASH:
-        v = moe_experts.variant(n, k, 256, "bfloat16", fp4=True, tokens=1)
-        assert "__global__" in tl.lower_source(request("moe_experts", "grouped_gemm_fp4", v).build(target), target)
+    n, k = FLASH[0]
+    v = moe_experts.variant(n, k, 256, "bfloat16", fp4=True, tokens=1)
+    assert "__global__" in tl.lower_source(request("moe_experts", "grouped_gemm_fp4", v).build(target), target)
 
 
 def test_quantized_example_weights_fit_the_pair_decoder():
