@@ -140,7 +140,8 @@ class LLM:
                              quantization, show_progress, batch_invariant=self.batch_invariant,
                              prefix_cache=self.prefix_cache,
                              draft_layers=(cfg.num_nextn_predict_layers if cfg.dspark else 1) if drafts != 0 and mtp else 0,
-                             lookahead=(default_draft_tokens(block) if drafts is None else drafts) if mtp else 0)
+                             lookahead=(default_draft_tokens(block) if drafts is None else drafts) if mtp else 0,
+                             max_prefill_tokens=max_prefill_tokens)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts,
                                  self._comm, eplb)

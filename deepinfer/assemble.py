@@ -22,6 +22,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.options import cache_spec, draft_graph_bytes, fit_check, host_memory, tiny_weight_bytes
 from deepinfer.runtime.backend import Backend
 from deepinfer.runtime.cache import CacheLayout, CacheSpec, PagedCache
+from deepinfer.runtime.defaults import MAX_PREFILL_TOKENS
 from deepinfer.runtime.prefix import PrefixMode
 from deepinfer.runtime.steps import ModelSteps
 
@@ -43,6 +44,7 @@ class EngineOptions:
     prefix_cache: PrefixMode = PrefixMode("off")  # DeepSeek-V4's prefix cache (runtime/prefix.py)
     draft_layers: int = 0  # MTP layers to load and give a window ring per slot (speculative decoding)
     lookahead: int = 0  # draft tokens a verify step may write and not keep (CacheSpec.lookahead)
+    max_prefill_tokens: int = MAX_PREFILL_TOKENS  # rows of a forward at most (the V4.1 ranks' Engram exchange)
 
     @property
     def snapshots(self) -> int:
@@ -247,6 +249,7 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     from deepinfer.model.v41 import DeepseekV41
     from deepinfer.model.v41_cache import unit_bytes
     from deepinfer.model.v41_weights import V41Weights, tensor_specs
+    from deepinfer.parallel.engram import exchange_bytes
     from deepinfer.runtime.v41_steps import V41SlotCache, V41Steps
     from deepinfer.weights.v41_formats import quantization_config
     from deepinfer.weights.v41_loader import load_v41
@@ -302,7 +305,8 @@ def assemble_v41(cfg: V41Config, model_dir: Path, tokenizer_path: Path, backend:
     clock.done("weights", f"{weights_size / GIB:.2f} GiB on {backend.device}")
     spec = cache_spec(cfg, backend.memory(), dtype, opts.max_num_seqs, opts.max_model_len, opts.num_blocks,
                       opts.gpu_memory_utilization, unit=unit, draft_layers=opts.draft_layers, lookahead=ahead,
-                      reserve=draft_graph_bytes(cfg, opts.max_num_seqs, opts.draft_layers, dtype, ahead))
+                      reserve=draft_graph_bytes(cfg, opts.max_num_seqs, opts.draft_layers, dtype, ahead)
+                      + exchange_bytes(cfg, split, 1 if comm is None else comm.dp, opts.max_prefill_tokens))
     cache = V41SlotCache(cfg, spec, dtype, backend.device)
     clock.done("cache allocation", f"{cache.num_bytes() / GIB:.2f} GiB")
     kept = keep and quantization_config(cfg.raw) is not None

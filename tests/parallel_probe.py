@@ -89,16 +89,22 @@ class Probe41(Probe):
     """`Probe` for a DeepSeek-V4.1 model directory: its forward passes on a cache of its own, eager."""
 
     def logits(self, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-        """fp32 logits of each prompt's prefill rows, then of `steps` greedy decode steps, prompt by prompt (every
-        rank runs every prompt: a tensor-parallel group's forwards meet)."""
-        model, out = self.llm.model, []
-        for ids in prompts:
+        """fp32 logits of each prompt's prefill rows, then of `steps` greedy decode steps, prompt by prompt: data-
+        parallel rank d runs prompts d, d + D, ... (as many on each: their forwards meet when the experts are
+        split), the ranks of a tensor-parallel group the same ones; every prompt's rows on rank 0, in order."""
+        model, comm, out = self.llm.model, self.llm._comm, []
+        dp = 1 if comm is None else comm.dp
+        assert len(prompts) % dp == 0, "every data-parallel rank runs as many prompts"
+        for ids in prompts[(0 if comm is None else comm.rank.dp_rank)::dp]:
             cache = model.new_cache(1, len(ids) + steps)
             rows = [model.prefill(cache, torch.tensor(ids), 0)]
             for _ in range(steps):
                 rows.append(model.decode(cache, rows[-1][-1:].argmax(-1), [0]))
             out.append(torch.cat(rows))
-        return out
+        if dp == 1:
+            return out
+        parts = comm.gather_objects(out)[:: comm.tp]
+        return [parts[i % dp][i // dp] for i in range(len(prompts))]
 
     def engram_tables(self) -> list[list[int]]:
         """Every rank's rows of each Engram table (rank order)."""

@@ -66,15 +66,31 @@ def test_the_loader_reads_only_a_parts_rows(tmp_path):
     path = quantized_model_dir(tmp_path)
     cfg = V41Config.from_dict(json.loads((path / "config.json").read_text()))
     whole = load_v41(path, cfg, keep_quantized=True).tensors
-    split = TableSplit(2, 1, False)
-    part = load_v41(path, cfg, keep_quantized=True, table_rows=split.rows).tensors
-    for i, rows in zip(cfg.engram.layer_ids, cfg.engram.num_embeddings):
-        name = f"layers.{i}.engram.embed.weight"
-        first, count = split.rows(rows)
-        assert count < rows and part[name].shape == (count, whole[name].shape[1])
-        assert torch.equal(part[name].values, whole[name].values[first:first + count])
-        assert torch.equal(part[name].scales, whole[name].scales[first:first + count])
+    for split in (TableSplit(5, p, False) for p in range(5)):  # five parts: the last one shorter
+        part = load_v41(path, cfg, keep_quantized=True, table_rows=split.rows).tensors
+        for i, rows in zip(cfg.engram.layer_ids, cfg.engram.num_embeddings):
+            name = f"layers.{i}.engram.embed.weight"
+            first, count = split.rows(rows)
+            assert count < rows and part[name].shape == (count, whole[name].shape[1])
+            assert torch.equal(part[name].values, whole[name].values[first:first + count])
+            assert torch.equal(part[name].scales, whole[name].scales[first:first + count])
+    assert split.rows(cfg.engram.num_embeddings[0])[1] < -(-cfg.engram.num_embeddings[0] // 5)
     with pytest.raises(WeightsError, match=r"engram\.embed\.weight has shape \[\d+, \d+\], but"):
         load_v41(path, V41Config.from_dict({**cfg.raw, "engram_num_embeddings": [r + 1 for r in
                                                                                   cfg.engram.num_embeddings]}),
                  table_rows=split.rows)
+
+
+def test_a_short_scale_is_refused_on_every_part(tmp_path):
+    """A table's scale with a row too few is refused by each part's reader (the first part's rows are all there: a
+    slice alone would not see it)."""
+    from safetensors.torch import load_file, save_file
+
+    path = quantized_model_dir(tmp_path)
+    cfg = V41Config.from_dict(json.loads((path / "config.json").read_text()))
+    tensors = load_file(str(path / "model.safetensors"))
+    key = f"layers.{cfg.engram.layer_ids[0]}.engram.embed.scale"
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(WeightsError, match=rf"its scale {key} has \d+ rows, the table \d+"):
+        load_v41(path, cfg, keep_quantized=True, table_rows=TableSplit(2, 0, False).rows)

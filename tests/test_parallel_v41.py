@@ -87,7 +87,7 @@ def test_ranks_give_the_one_process_logits_with_the_engram_tables_split(path, la
     output groups; the attention outputs are added over the ranks. Every layout here splits the Engram tables by
     rows, half a rank (tensor-parallel: over the group; data-parallel with the experts split: over every rank, the
     ranks' row ids gathered): every prefill and decode row's fp32 logits within 1e-5 of one process."""
-    ids, steps = [p["token_ids"] for p in PROMPTS], 3
+    ids, steps = [p["token_ids"] for p in PROMPTS] + [[3, 1, 4, 1, 5, 9, 2]], 3  # data-parallel: two a rank
     want = Probe41(model=path, dtype="float32").logits(ids, steps)
     pool = RankPool(ParallelConfig(**layout), Probe41, dict(model=path, dtype="float32", **layout))
     try:

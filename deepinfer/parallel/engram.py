@@ -63,16 +63,26 @@ class EngramShard:
             most = max(comm.dp_sizes(n))
             start = comm.rank.dp_rank * most
             rows = comm.dp_gather(pad_rows(rows, most))
-        parts = []
+        (m, layers, c), width = rows.shape, tables[0].shape[-1]
+        out = torch.zeros((m, layers, c * width), dtype=dtype, device=rows.device)  # what this rank's rows add
         for k, table in enumerate(tables):
             local = rows[:, k] - self.firsts[k]
             mine = (local >= 0) & (local < self.counts[k])
-            (m, c), width = mine.shape, table.shape[-1]
             if m == 0 or self.counts[k] == 0:  # nothing to look up here (a kernel takes no empty grid or table)
-                parts.append(torch.zeros((m, c * width), dtype=dtype, device=rows.device))
                 continue
-            got = lookup(torch.where(mine, local, torch.zeros_like(local)), table, dtype)
-            parts.append((got.view(m, c, width) * mine.unsqueeze(-1).to(got.dtype)).view(m, c * width))
-        out = torch.stack(parts, dim=1)
+            got = lookup(torch.where(mine, local, torch.zeros_like(local)), table, dtype).view(m, c, width)
+            out[:, k] = torch.where(mine.unsqueeze(-1), got, 0).view(m, c * width)  # where: a NaN row stays out
+            del got
         out = comm.world_sum(out) if self.split.world else comm.tp_sum(out)
         return out[start:start + n]
+
+
+def exchange_bytes(cfg, split: TableSplit | None, dp: int, tokens: int) -> int:
+    """Device bytes the exchange holds at once for a forward of `tokens` rows a rank (`dp` data-parallel ranks):
+    every Engram layer's summed rows of every data-parallel rank (the world split) and one layer's lookup (bf16);
+    the fit check keeps them free beside the activations."""
+    if split is None:
+        return 0
+    e = cfg.engram
+    rows = (dp if split.world else 1) * tokens
+    return rows * (e.max_ngram - 1) * e.n_heads * e.head_dim * (len(e.layer_ids) + 1) * 2

@@ -123,8 +123,11 @@ def _one(name: str, spec: TensorSpec, key: str, scale_key: str | None, read, dty
     """One tensor: plain (cast), quantized kept (`kept`: the format it may keep) or dequantized; shape checked.
     `rows` (first, count): only those rows (with their scales), the stored shape checked whole."""
     label = f"{name} ({key})" if key != name else name
-    if rows is not None:
+    if rows is not None:  # every rank checks the whole tensors: a short one must fail on each, not on the last
         check_shape(label, read.shape(key), spec, V41_CONFIG)
+        if scale_key is not None and read.shape(scale_key)[0] != spec.shape[0]:
+            raise WeightsError(f"tensor {label}: its scale {scale_key} has {read.shape(scale_key)[0]} rows, the "
+                               f"table {spec.shape[0]}")
         spec = TensorSpec((rows[1], *spec.shape[1:]), spec.kind)
     tensor = read(key, rows)
     target = torch.float32 if spec.kind == FP32 else dtype
