@@ -138,10 +138,9 @@ class LLM:
                                      prefix=self.prefix_cache.mode, block=block)  # None: the default
         opts = EngineOptions(max_num_seqs, max_model_len, num_blocks, gpu_memory_utilization, random_seed,
                              quantization, show_progress, batch_invariant=self.batch_invariant,
-                             prefix_cache=self.prefix_cache,
+                             prefix_cache=self.prefix_cache, max_prefill_tokens=max_prefill_tokens,
                              draft_layers=(cfg.num_nextn_predict_layers if cfg.dspark else 1) if drafts != 0 and mtp else 0,
-                             lookahead=(default_draft_tokens(block) if drafts is None else drafts) if mtp else 0,
-                             max_prefill_tokens=max_prefill_tokens)
+                             lookahead=(default_draft_tokens(block) if drafts is None else drafts) if mtp else 0)
         if v41:
             built = assemble_v41(cfg, self.model_dir, self.recipe.path, self.backend, torch_dtype, env, opts,
                                  self._comm, eplb)
