@@ -61,6 +61,7 @@ def test_four_ranks_data_and_tensor_parallel_with_experts_split(alone):
         pool.close()
 
 
+@pytest.mark.full  # slow (CI time): `pytest -m full` (README.md, Run the tests)
 def test_eight_ranks_data_parallel_4_tensor_parallel_2_experts_over_all():
     """Eight workers at once (the launcher's accept queue holds them all: with a backlog of one, a start hung in two
     of three tries here), one expert a rank."""

@@ -115,6 +115,7 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_by_nam
         LLM(path, tensor_parallel_size=4)
 
 
+@pytest.mark.full  # slow (CI time): `pytest -m full` (README.md, Run the tests)
 def test_eight_ranks_with_two_redundant_slots_one_slot_a_rank(path, alone):
     """Data-parallel 4 x tensor-parallel 2 over fixture `a`'s 6 experts + 2 redundant EPLB slots: one slot a rank
     (8 does not divide 6; the slots divide), rebalanced every 3 forwards; the one-process greedy tokens."""

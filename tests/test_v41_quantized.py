@@ -225,6 +225,7 @@ def test_reference_logits_of_auto_equal_none(qdir, dtype):
     assert torch.equal(_logits(auto.model, prompt, 4), _logits(none.model, prompt, 4))
 
 
+@pytest.mark.full  # slow (CI time): `pytest -m full` (README.md, Run the tests)
 def test_c_kernels_on_kept_weights_give_the_w8a8_references_greedy_tokens(qdir, c_kernel_cache, monkeypatch):
     """The c target's FP8 GEMMs quantize their activations per 1x32 (as DeepSeek's reference does) where the
     reference ops keep them exact: on this 64-wide random model that alone moves logits by up to ~2 (the

@@ -109,6 +109,7 @@ def test_bad_fp8_inputs_are_named(ops):
         ops.act_quant(x, 16, False)
 
 
+@pytest.mark.full  # slow (CI time): `pytest -m full` (README.md, Run the tests)
 def test_quantized_tiny_model_through_the_kernels_equals_its_w8a8_reference(ops, tmp_path):
     """The HF test config written as a V4 checkpoint (FP8 128x128 ue8m0: every K is below the block, o_a_proj's
     scale block spans both groups; FP4 experts), kept quantized: prefill and batched decode through the c-target
