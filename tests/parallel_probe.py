@@ -29,10 +29,9 @@ class Probe:
         step brings its one row, so the expert exchange runs without its size exchange, as a captured engine step).
         The logits come back on the host."""
         llm = self.llm
-        comm, device = llm._comm, llm.model.device
-        dp, d = (comm.dp, comm.rank.dp_rank) if comm is not None else (1, 0)
-        mine = prompts[d::dp]
-        feeds = forced[d::dp] if forced is not None else [None] * len(mine)
+        device = llm.model.device
+        mine = self._share(prompts)
+        feeds = self._share(forced) if forced is not None else [None] * len(mine)
         shard = llm.model.expert_shard
         out = []
         for ids, feed in zip(mine, feeds):
@@ -52,10 +51,20 @@ class Probe:
                 shard.static = False
             llm.cache.release(seq)
             out.append(torch.cat(rows).float().cpu())
+        return self._in_order(out, len(prompts))
+
+    def _share(self, items: list) -> list:
+        """This data-parallel rank's items: d, d + dp, ... (every item on one process)."""
+        comm = self.llm._comm
+        return items if comm is None else items[comm.rank.dp_rank::comm.dp]
+
+    def _in_order(self, mine: list, n: int) -> list:
+        """Every data-parallel rank's `mine` (its `_share` of n items' results) in the items' order."""
+        comm = self.llm._comm
         if comm is None:
-            return out
-        parts = comm.gather_objects(out)[:: comm.tp]  # data-parallel rank d's prompts d, d + dp, ...
-        return [parts[i % dp][i // dp] for i in range(len(prompts))]
+            return mine
+        parts = comm.gather_objects(mine)[:: comm.tp]
+        return [parts[i % comm.dp][i // comm.dp] for i in range(n)]
 
     def expert_shapes(self) -> list[int]:
         """The experts this rank holds, per layer and weight (gate_up, down)."""
@@ -93,18 +102,14 @@ class Probe41(Probe):
         parallel rank d runs prompts d, d + D, ... (as many on each: their forwards meet when the experts are
         split), the ranks of a tensor-parallel group the same ones; every prompt's rows on rank 0, in order."""
         model, comm, out = self.llm.model, self.llm._comm, []
-        dp = 1 if comm is None else comm.dp
-        assert len(prompts) % dp == 0, "every data-parallel rank runs as many prompts"
-        for ids in prompts[(0 if comm is None else comm.rank.dp_rank)::dp]:
+        assert comm is None or len(prompts) % comm.dp == 0, "every data-parallel rank runs as many prompts"
+        for ids in self._share(prompts):
             cache = model.new_cache(1, len(ids) + steps)
             rows = [model.prefill(cache, torch.tensor(ids), 0)]
             for _ in range(steps):
                 rows.append(model.decode(cache, rows[-1][-1:].argmax(-1), [0]))
             out.append(torch.cat(rows))
-        if dp == 1:
-            return out
-        parts = comm.gather_objects(out)[:: comm.tp]
-        return [parts[i % dp][i // dp] for i in range(len(prompts))]
+        return self._in_order(out, len(prompts))
 
     def engram_tables(self) -> list[list[int]]:
         """Every rank's rows of each Engram table (rank order)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.parallel.config import Rank
-from deepinfer.parallel.experts import pad_rows
+from deepinfer.parallel.experts import gather_rows
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class TableSplit:
 
 def table_split(cfg, rank: Rank) -> TableSplit | None:
     """How `rank` splits `cfg`'s Engram tables (a V41Config; None: whole on this rank)."""
-    if getattr(cfg, "engram", None) is None:
+    if cfg.engram is None:
         return None
     p = rank.parallel
     if p.data_parallel_size > 1 and p.enable_expert_parallel:  # every rank's forward meets the others' (lockstep)
@@ -57,12 +57,9 @@ class EngramShard:
         """Every Engram layer's looked-up rows for this rank's tokens: rows [n, layers, C] (global row ids of each
         layer's table), `lookup(ids [m, C], table, dtype) -> [m, C * d]` (the op) -> [n, layers, C * d]. A rank
         with no tokens (n = 0) still looks up its rows for the others'."""
-        comm, n = self.comm, rows.shape[0]
-        start = 0
-        if self.split.world and comm.dp > 1:
-            most = max(comm.dp_sizes(n))
-            start = comm.rank.dp_rank * most
-            rows = comm.dp_gather(pad_rows(rows, most))
+        comm, n, start = self.comm, rows.shape[0], 0
+        if self.split.world:
+            start, (rows,) = gather_rows(comm, n, (rows,))
         (m, layers, c), width = rows.shape, tables[0].shape[-1]
         out = torch.zeros((m, layers, c * width), dtype=dtype, device=rows.device)  # what this rank's rows add
         for k, table in enumerate(tables):

@@ -81,11 +81,7 @@ class ExpertShard:
         weights, indices, ids = weights.float(), indices.long(), ids.long()  # one dtype on every rank (idle ones too)
         if self.loads is not None:
             self.loads[layer].index_add_(0, indices.reshape(-1), torch.ones_like(indices.reshape(-1)))
-        start, rows = 0, n
-        if comm.dp > 1:
-            rows = n if self.static else max(comm.dp_sizes(n))
-            start = comm.rank.dp_rank * rows
-            x, weights, indices, ids = (comm.dp_gather(pad_rows(t, rows)) for t in (x, weights, indices, ids))
+        start, (x, weights, indices, ids) = gather_rows(comm, n, (x, weights, indices, ids), self.static)
         count = self._replicas[layer][indices]
         slot = self._log2phy[layer][indices, ids.view(-1, 1) % count] - comm.rank.rank * self.per_rank
         mine = (slot >= 0) & (slot < self.per_rank)
@@ -165,6 +161,16 @@ def _gather_all(comm: Comm, w):
     parts = [torch.empty_like(raw) for _ in range(comm.rank.parallel.world)]
     torch.distributed.all_gather(parts, raw, group=comm.world)
     return torch.cat(parts).view(w.dtype)
+
+
+def gather_rows(comm: Comm, n: int, tensors: tuple, static: bool = False) -> tuple[int, tuple]:
+    """Every data-parallel rank's rows of `tensors` (this rank's `n` each), each rank's padded to the largest
+    rank's count (`static`: every rank brings `n`, no size exchange), in rank order; and where this rank's rows
+    start among them."""
+    if comm.dp == 1:
+        return 0, tensors
+    rows = n if static else max(comm.dp_sizes(n))
+    return comm.rank.dp_rank * rows, tuple(comm.dp_gather(pad_rows(t, rows)) for t in tensors)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

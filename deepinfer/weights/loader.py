@@ -322,28 +322,24 @@ class ShardReader:
 
     def __call__(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor, or with `rows` (first, count) only those rows of it (the rest is never read)."""
-        path = self.files[key]
-        try:
-            if rows is None:
-                return self._handle(path).get_tensor(key)
-            return self._handle(path).get_slice(key)[rows[0]:rows[0] + rows[1]]
-        except Exception as exc:  # safetensors' own error types: a damaged file, an unknown dtype
-            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
+        if rows is None:
+            return self._read(key, lambda f: f.get_tensor(key))
+        return self._read(key, lambda f: f.get_slice(key)[rows[0]:rows[0] + rows[1]])
 
     def shape(self, key: str) -> list[int]:
         """The stored shape of tensor `key`, without reading it."""
-        path = self.files[key]
-        try:
-            return list(self._handle(path).get_slice(key).get_shape())
-        except Exception as exc:
-            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
+        return self._read(key, lambda f: list(f.get_slice(key).get_shape()))
 
-    def _handle(self, path: Path):
+    def _read(self, key: str, how):
         from safetensors import safe_open
 
-        if path not in self.handles:
-            self.handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self.handles[path]
+        path = self.files[key]
+        try:
+            if path not in self.handles:
+                self.handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            return how(self.handles[path])
+        except Exception as exc:  # safetensors' own error types: a damaged file, an unknown dtype
+            raise WeightsError(f"tensor {key!r} of {path} cannot be read: {exc}") from None
 
     def close(self) -> None:
         self.handles.clear()

@@ -125,9 +125,9 @@ def _one(name: str, spec: TensorSpec, key: str, scale_key: str | None, read, dty
     label = f"{name} ({key})" if key != name else name
     if rows is not None:  # every rank checks the whole tensors: a short one must fail on each, not on the last
         check_shape(label, read.shape(key), spec, V41_CONFIG)
-        if scale_key is not None and read.shape(scale_key)[0] != spec.shape[0]:
-            raise WeightsError(f"tensor {label}: its scale {scale_key} has {read.shape(scale_key)[0]} rows, the "
-                               f"table {spec.shape[0]}")
+        scale_rows = read.shape(scale_key)[0] if scale_key is not None else spec.shape[0]
+        if scale_rows != spec.shape[0]:
+            raise WeightsError(f"tensor {label}: its scale {scale_key} has {scale_rows} rows, the table {spec.shape[0]}")
         spec = TensorSpec((rows[1], *spec.shape[1:]), spec.kind)
     tensor = read(key, rows)
     target = torch.float32 if spec.kind == FP32 else dtype
