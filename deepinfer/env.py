@@ -42,11 +42,7 @@ class Env:
             dist_timeout = -1.0
         if not dist_timeout > 0:
             raise ConfigError(f"DEEPINFER_DIST_TIMEOUT={timeout!r} is not valid; accepted: seconds, a number > 0")
-        raw = environ.get("DEEPINFER_BATCH_INVARIANT") or "0"
-        invariant = raw.strip().lower()
-        if invariant not in _FLAGS:
-            raise ConfigError(f"DEEPINFER_BATCH_INVARIANT={raw!r} is not valid; accepted: {', '.join(_FLAGS)} "
-                              "(unset or empty: off)")
+        invariant = _flag(environ, "DEEPINFER_BATCH_INVARIANT", "0", "off")
         raw_replay = environ.get("DEEPINFER_SWA_REPLAY_TOKENS") or "128"
         replay = int(raw_replay) if raw_replay.strip().isdigit() else 0
         if replay < 1:
@@ -58,23 +54,22 @@ class Env:
             raise ConfigError(f"DEEPINFER_USE_NEXTN_DECODE={raw_nextn!r} is not valid; accepted: an integer from 0 to "
                               f"{MAX_DRAFT_TOKENS} (draft tokens per decode step, 0 = plain decoding; unset: 5 when "
                               "the checkpoint has an MTP layer)")
-        raw_varlen = environ.get("DEEPINFER_ENABLE_MTP_VARLEN") or "0"
-        if raw_varlen.strip().lower() not in _FLAGS:
-            raise ConfigError(f"DEEPINFER_ENABLE_MTP_VARLEN={raw_varlen!r} is not valid; accepted: {', '.join(_FLAGS)} "
-                              "(unset or empty: off)")
-        raw_second = environ.get("DEEPINFER_SECOND_STREAM") or "1"
-        if raw_second.strip().lower() not in _FLAGS:
-            raise ConfigError(f"DEEPINFER_SECOND_STREAM={raw_second!r} is not valid; accepted: {', '.join(_FLAGS)} "
-                              "(unset or empty: on where the target has one)")
-        raw_graphs = environ.get("DEEPINFER_PARALLEL_GRAPHS") or "0"
-        if raw_graphs.strip().lower() not in _FLAGS:
-            raise ConfigError(f"DEEPINFER_PARALLEL_GRAPHS={raw_graphs!r} is not valid; accepted: {', '.join(_FLAGS)} "
-                              "(unset or empty: off, several ranks decode eagerly)")
+        varlen = _flag(environ, "DEEPINFER_ENABLE_MTP_VARLEN", "0", "off")
+        second = _flag(environ, "DEEPINFER_SECOND_STREAM", "1", "on where the target has one")
+        graphs = _flag(environ, "DEEPINFER_PARALLEL_GRAPHS", "0", "off, several ranks decode eagerly")
         return cls(accelerator=accelerator, hf_model_dir=environ.get("DEEPINFER_HF_MODEL_DIR") or None,
-                   cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=_FLAGS[invariant],
-                   swa_replay_tokens=replay, nextn_decode=nextn, mtp_varlen=_FLAGS[raw_varlen.strip().lower()],
-                   second_stream=_FLAGS[raw_second.strip().lower()],
-                   parallel_graphs=_FLAGS[raw_graphs.strip().lower()])
+                   cache_dir=cache_dir, dist_timeout=dist_timeout, batch_invariant=invariant,
+                   swa_replay_tokens=replay, nextn_decode=nextn, mtp_varlen=varlen, second_stream=second,
+                   parallel_graphs=graphs)
+
+
+def _flag(environ: Mapping[str, str], name: str, default: str, unset: str) -> bool:
+    """A 0/1-style switch (`_FLAGS`); `default` when unset or empty (`unset`: what that means, for the error)."""
+    raw = environ.get(name) or default
+    value = raw.strip().lower()
+    if value not in _FLAGS:
+        raise ConfigError(f"{name}={raw!r} is not valid; accepted: {', '.join(_FLAGS)} (unset or empty: {unset})")
+    return _FLAGS[value]
 
 
 def check_writable_dir(path: Path, what: str) -> None:
