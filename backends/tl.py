@@ -158,11 +158,12 @@ def _prefetch_only(stmt: Any) -> bool:
 
 
 def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Path, source_name: str,
-          library: bool, execution_backend: str = "tvm_ffi", cpu: bool = False) -> dict[str, Path]:
+          library: bool, execution_backend: str = "tvm_ffi", cpu: bool = False,
+          compile_flags: tuple[str, ...] = ()) -> dict[str, Path]:
     """The one lowering of a kernel, and everything made from that one result: its device source (CUDA, AscendC
     or C) as `source_name`, and with `library` its host glue + loadable library under lib/ (TileLang compiles the
-    device code of the same lowering with the target's toolchain). TileLang's warnings that flag wrong code raise.
-    Returns {"source": path} or {"source": path, "lib": path}."""
+    device code of the same lowering with the target's toolchain, given `compile_flags` too). TileLang's warnings
+    that flag wrong code raise. Returns {"source": path} or {"source": path, "lib": path}."""
     tl = tilelang()
     from tilelang.transform import PassContext
     from tvm.target import Target
@@ -173,7 +174,7 @@ def lower(func: Any, tvm_target: Any, pass_configs: dict[str, Any], out_dir: Pat
         with semantic_check_disabled(cpu), PassContext(config=pass_configs), Target(tvm_target):
             if library:
                 kernel = tl.compile(func, target=tvm_target, execution_backend=execution_backend,
-                                    pass_configs=pass_configs)
+                                    pass_configs=pass_configs, compile_flags=list(compile_flags) or None)
             else:
                 artifact = tl.lower(func, target=target_name or tvm_target)
     check_warnings(err[0])

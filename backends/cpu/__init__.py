@@ -10,6 +10,7 @@ from typing import Any
 
 from backends import tl
 from backends.base import Stage, StageContext, Target, Traits
+from backends.cpu.pch import include_flags
 
 _PASS_CONFIGS: dict[str, Any] = {"tirx.disable_vectorize": True}
 
@@ -26,9 +27,10 @@ def toolchain() -> dict[str, str]:
 
 
 def _lower(ctx: StageContext) -> dict[str, Path]:
-    """The one lowering -> C source and the library TileLang builds from it (cython wrapper, g++)."""
+    """The one lowering -> C source and the library TileLang builds from it (cython wrapper, g++; TileLang's header
+    precompiled, `pch.py`)."""
     out = tl.lower(ctx.func, "c", ctx.pass_configs, ctx.out_dir, "kernel.c", library=True, execution_backend="cython",
-                   cpu=True)
+                   cpu=True, compile_flags=include_flags())
     return {"c": out["source"], "lib": out["lib"]}
 
 
