@@ -5,8 +5,8 @@ of a kernel's ~1.2 s compile on that header. Built once (2 s) and passed as `-in
 The precompiled file includes the header by its absolute path, so the kernel's own `#include` of the same file is
 skipped (`#pragma once`). It is only an accelerator: g++ ignores a precompiled header that does not match the
 compile (another compiler version or flags) and reads the text instead, with the same result. Only for g++ (clang
-names its precompiled headers differently); `DEEPINFER_` settings do not change it. The file lives in the system's
-temporary directory under a name that hashes the compiler and the header's bytes, written by an atomic rename."""
+names its precompiled headers differently). The file lives in the system's temporary directory under a name that
+hashes the compiler and the header's bytes, written by an atomic rename."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def include_flags() -> tuple[str, ...]:
         from tilelang.env import TILELANG_TEMPLATE_PATH
 
         compiler = get_cplus_compiler()
-        header = Path(TILELANG_TEMPLATE_PATH) / HEADER
-        return build(compiler, header, Path(tempfile.gettempdir())) if compiler and header.is_file() else ()
+        if not compiler or not TILELANG_TEMPLATE_PATH or not (Path(TILELANG_TEMPLATE_PATH) / HEADER).is_file():
+            return ()
+        return build(compiler, Path(TILELANG_TEMPLATE_PATH) / HEADER, Path(tempfile.gettempdir()))
     except (ImportError, OSError, subprocess.SubprocessError):
         return ()
 
