@@ -21,8 +21,8 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
     kernel = DECLARED[op_name].kernel(kernel_name)
 
     def build(target):
-        return launched(kernel.body_for(target.name, variant)(Facade(target.traits), variant,
-                                                              kernel.config(target.name)), target)
+        body = kernel.body_for(target.name, variant)
+        return launched(body(Facade(target.traits), variant, kernel.config(target.name)), target, plain_launch(body))
 
     def pass_configs(target) -> dict:
         return dict(getattr(kernel.config(target.name), "pass_configs", None) or {})
@@ -30,10 +30,16 @@ def request(op_name: str, kernel_name: str, variant: Any) -> Request:
     return Request(op_name, kernel_name, variant, build, pass_configs)
 
 
-def launched(func: Any, target) -> Any:
+def launched(func: Any, target, plain: bool = False) -> Any:
     """A kernel's PrimFunc as `target` launches it: on a target whose kernels wait on their predecessor in-kernel
-    (CUDA PDL), with that wait."""
-    return tl.dependent_launch(func) if target.traits.dependent_launch else func
+    (CUDA PDL), with that wait, unless its body asks for a `plain` launch (`plain_launch`)."""
+    return tl.dependent_launch(func) if target.traits.dependent_launch and not plain else func
+
+
+def plain_launch(body: Callable[..., Any]) -> bool:
+    """Whether a kernel body is launched without dependent launch wherever the target has it (the body function's
+    `plain_launch` attribute, set where it says why)."""
+    return bool(getattr(body, "plain_launch", False))
 
 
 def tune_request(op_name: str, kernel_name: str, variant: Any, body: Callable[..., Any], base: Any,
@@ -52,7 +58,9 @@ def tune_request(op_name: str, kernel_name: str, variant: Any, body: Callable[..
 
     def build(target):
         P = Facade(target.traits)
-        return launched(portable(P, variant, cfg) if tune is None else body(P, variant, cfg, tune), target)
+        if tune is None:
+            return launched(portable(P, variant, cfg), target, plain_launch(portable))
+        return launched(body(P, variant, cfg, tune), target, plain_launch(body))
 
     return Request(op_name, kernel_name, variant, build, lambda target: dict(pass_configs or {}))
 

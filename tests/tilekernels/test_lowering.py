@@ -312,3 +312,16 @@ def test_dependent_launch_only_where_the_target_asks():
     assert not waits_first(tl.lower_source(req.build(plain), plain))
     assert {n: backends.get(n).traits.dependent_launch for n in backends.COMPILE_TARGETS} == {
         n: backends.get(n).family == "nvidia" for n in backends.COMPILE_TARGETS}
+
+
+def test_the_bf16_decode_expert_kernel_is_launched_plainly():
+    """The 16-row bf16 expert kernel (moe_bf16_sm90.body_decode) opts out of dependent launch: with it, the GPU hung
+    in short prefills (BENCHMARKS.md, twenty-fifth round); its sm90 source has no wait, the prefill tile's does."""
+    from backends import tl
+
+    target = source_only("sm90")
+    decode = request("moe_experts", "grouped_gemm", moe_experts.Variant(128, 256, 4, "bfloat16", block_m=16))
+    prefill = request("moe_experts", "grouped_gemm", moe_experts.Variant(128, 256, 4, "bfloat16", block_m=64))
+    plain = tl.lower_source(decode.build(target), target)
+    assert "cudaGridDependencySynchronize" not in plain and "cudaTriggerProgrammatic" not in plain
+    assert "tma_load" in plain and waits_first(tl.lower_source(prefill.build(target), target))

@@ -93,6 +93,13 @@ def body_decode(P, v, cfg=None, tune: Tune | None = None):
     return kernel
 
 
+# Launched without dependent launch (`tilekernels.kernels.plain_launch`): with it, this kernel hung the GPU in
+# eager prefills of 64-token prompts on the H100 and H200 (the down projection, K 2048, after swiglu; named by
+# tools/kernel_watchdog.py), while the same prefills with every kernel launched plainly never did
+# (tools/no_dependent_launch.py; BENCHMARKS.md, twenty-fifth round). The cause inside the kernel is not known.
+body_decode.plain_launch = True
+
+
 def trial_request(op: str, kernel: str, variant):
     """Build request of a tune trial: kernel "grouped_gemm@<field=value,...>" is this kernel with those Tune
     fields (benchmark sweeps; module level so that build workers import it), anything else the op's own."""
