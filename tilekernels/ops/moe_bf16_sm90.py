@@ -93,10 +93,10 @@ def body_decode(P, v, cfg=None, tune: Tune | None = None):
     return kernel
 
 
-# Launched without dependent launch (`tilekernels.kernels.plain_launch`): with it, this kernel hung the GPU in
-# eager prefills of 64-token prompts on the H100 and H200 (the down projection, K 2048, after swiglu; named by
-# tools/kernel_watchdog.py), while the same prefills with every kernel launched plainly never did
-# (tools/no_dependent_launch.py; BENCHMARKS.md, twenty-fifth round). The cause inside the kernel is not known.
+# Launched without dependent launch (`tilekernels.kernels.plain_launch`): with it, the GPU hung in eager prefills
+# of 64-token prompts, and tools/kernel_watchdog.py named this kernel (the down projection, K 2048, after swiglu; on
+# the H100), while the same prefills with every kernel launched plainly never hung (tools/no_dependent_launch.py;
+# BENCHMARKS.md, twenty-fifth round). The cause inside the kernel is not known; not yet run on a GPU without it.
 body_decode.plain_launch = True
 
 
