@@ -96,7 +96,8 @@ def body_decode(P, v, cfg=None, tune: Tune | None = None):
 # Launched without dependent launch (`tilekernels.kernels.plain_launch`): with it, the GPU hung in eager prefills
 # of 64-token prompts, and tools/kernel_watchdog.py named this kernel (the down projection, K 2048, after swiglu; on
 # the H100), while the same prefills with every kernel launched plainly never hung (tools/no_dependent_launch.py;
-# BENCHMARKS.md, twenty-fifth round). The cause inside the kernel is not known; not yet run on a GPU without it.
+# BENCHMARKS.md, twenty-fifth round). The cause inside the kernel is not known. With this kernel plain and every other
+# one dependent, the same table completed twice on the H100 (twenty-sixth round).
 body_decode.plain_launch = True
 
 
