@@ -148,15 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             r = run_offline(args.backend, cache_dir, args.prompt, args.max_new_tokens, args.timeout)
             runs.append({"run": kind, **r})
             print(f"{kind}: first token {r['first_token_s']} s after start, wall {r['wall_s']} s", file=sys.stderr)
+            if kind.startswith("warm") and r["kernels_compiled"]:
+                print(f"{kind} compiled {r['kernels_compiled']} kernels (the cache did not hold them): "
+                      "not counted as a warm start", file=sys.stderr)
         jobs = [int(j) for j in args.load_jobs.split(",") if j.strip()]
         probes = [probe_load(args.backend, cache_dir, j, args.timeout) for j in jobs]
     finally:
         if tmp is not None:
             tmp.cleanup()
-    for r in runs:
-        if r["run"].startswith("warm") and r["kernels_compiled"]:
-            print(f"{r['run']} compiled {r['kernels_compiled']} kernels (the cache did not hold them): "
-                  "not counted as a warm start", file=sys.stderr)
     result = {"backend": args.backend, "cache_dir": str(args.cache_dir or "(temporary)"), "prompt": args.prompt,
               "max_new_tokens": args.max_new_tokens, **first_token_figures(runs), "runs": runs, "load_jobs": probes}
     print(table(result))
